@@ -1,0 +1,1 @@
+"""The Megatron adapter: the only package that imports megatron-core."""

@@ -1,0 +1,1 @@
+"""Vocabulary-parallel autograd ops; the tensor-parallel group is always passed explicitly."""

@@ -1,0 +1,61 @@
+"""A rank-aware logger: the package never prints.
+
+``get_logger(__name__)`` returns a standard :mod:`logging` logger whose records carry the
+process rank (from ``torch.distributed`` when initialised, else ``RANK`` from the environment)
+and which, by default, lets only rank 0 emit INFO and below; warnings and errors pass on
+every rank so a failure on rank 3 is never hidden.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+_ROOT = "reco_megatron"
+_configured = False
+
+
+def current_rank() -> int:
+    """Global rank of this process: torch.distributed if initialised, else ``$RANK``, else 0."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank()
+    except ImportError:  # pragma: no cover - torch is a hard dependency
+        pass
+    return int(os.environ.get("RANK", "0"))
+
+
+class _RankFilter(logging.Filter):
+    """Adds ``record.rank``; drops records below WARNING on ranks other than 0."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.rank = current_rank()
+        all_ranks = os.environ.get("RECO_LOG_ALL_RANKS", "0") == "1"
+        return all_ranks or record.rank == 0 or record.levelno >= logging.WARNING
+
+
+def _configure() -> None:
+    global _configured
+    if _configured:
+        return
+    root = logging.getLogger(_ROOT)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        logging.Formatter("[%(asctime)s rank%(rank)s %(levelname)s %(name)s] %(message)s", "%H:%M:%S")
+    )
+    handler.addFilter(_RankFilter())
+    root.addHandler(handler)
+    root.setLevel(os.environ.get("RECO_LOG_LEVEL", "INFO").upper())
+    root.propagate = False
+    _configured = True
+
+
+def get_logger(name: str) -> logging.Logger:
+    """Logger under the ``reco_megatron`` hierarchy with the rank filter installed once."""
+    _configure()
+    if not name.startswith(_ROOT):
+        name = f"{_ROOT}.{name}"
+    return logging.getLogger(name)
