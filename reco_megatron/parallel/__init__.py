@@ -1,1 +1,5 @@
 """Vocabulary-parallel autograd ops; the tensor-parallel group is always passed explicitly."""
+
+from reco_megatron.parallel.vocab_stats import vocab_parallel_stats
+
+__all__ = ["vocab_parallel_stats"]

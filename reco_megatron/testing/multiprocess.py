@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import tempfile
 import time
@@ -69,9 +70,7 @@ def _worker(
     env: dict[str, str],
 ) -> None:
     os.environ.update(env)
-    os.environ.update(
-        {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)}
-    )
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)})
     try:
         import torch
         import torch.distributed as dist
@@ -81,7 +80,9 @@ def _worker(
             "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
         )
         out = fn(rank, world_size, *args, **kwargs)
-        results.put((rank, "ok", out))
+        # Plain pickle bytes: torch's queue reductions would share tensors through file
+        # descriptors that die with this process.
+        results.put((rank, "ok", pickle.dumps(out)))
     except BaseException:  # report everything, including SystemExit from a test body
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -117,8 +118,16 @@ def run_distributed(
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, world_size, init_file, fn, tuple(args), dict(kwargs or {}), results,
-                      dict(env or {})),
+                args=(
+                    r,
+                    world_size,
+                    init_file,
+                    fn,
+                    tuple(args),
+                    dict(kwargs or {}),
+                    results,
+                    dict(env or {}),
+                ),
                 daemon=True,
             )
             for r in range(world_size)
@@ -140,7 +149,8 @@ def run_distributed(
                     rank, status, payload = results.get(timeout=min(remaining, 1.0))
                 except queue.Empty:
                     dead = [
-                        r for r, p in enumerate(procs)
+                        r
+                        for r, p in enumerate(procs)
                         if r not in outputs and p.exitcode is not None
                     ]
                     if dead:
@@ -158,7 +168,7 @@ def run_distributed(
                     raise DistributedRunError(
                         f"rank {rank} of {world_size} failed in {fn.__qualname__}:\n{payload}"
                     )
-                outputs[rank] = payload
+                outputs[rank] = pickle.loads(payload)
         finally:
             for p in procs:
                 if p.is_alive():

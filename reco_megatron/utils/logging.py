@@ -43,9 +43,8 @@ def _configure() -> None:
         return
     root = logging.getLogger(_ROOT)
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(
-        logging.Formatter("[%(asctime)s rank%(rank)s %(levelname)s %(name)s] %(message)s", "%H:%M:%S")
-    )
+    fmt = "[%(asctime)s rank%(rank)s %(levelname)s %(name)s] %(message)s"
+    handler.setFormatter(logging.Formatter(fmt, "%H:%M:%S"))
     handler.addFilter(_RankFilter())
     root.addHandler(handler)
     root.setLevel(os.environ.get("RECO_LOG_LEVEL", "INFO").upper())

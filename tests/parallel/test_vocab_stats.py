@@ -1,0 +1,186 @@
+"""``vocab_parallel_stats`` at TP 1, 2, 4 against a single-process fp64 reference.
+
+Every parallel result is compared with ``token_stats_reference`` run in fp64 on the gathered,
+unpadded logits, forward (all three statistics) and backward (random upstream gradients on
+all three at once, and on each one alone).
+
+Tolerances:
+* fp32 logits: the op computes in fp32; the sums over <= 1000 columns of terms of order 1 have
+  a rounding error of ~1e-6 relative, so atol 2e-5 on statistics of order 1-10 and gradients
+  of order 1.
+* bf16 logits: the reference sees the same bf16-rounded values, so the statistics still agree
+  to fp32 accuracy; the *gradient* is returned in bf16 (the caller's dtype), i.e. rounded to 8
+  significant bits: atol 1e-2 for gradients bounded by ~3 in magnitude.
+* fp64 logits (TP 1): the op then computes in fp64, so torch.autograd.gradcheck applies.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from reco_megatron.algo.token_stats import token_stats_reference
+from reco_megatron.parallel import vocab_parallel_stats
+from reco_megatron.testing import run_distributed
+from tests.parallel._vocab_cases import CASES, Case, global_inputs
+
+FP32_ATOL = 2e-5
+BF16_GRAD_ATOL = 1e-2
+
+
+def _reference(case: Case, tp: int, dtype: torch.dtype, use: tuple[bool, bool, bool]):
+    logits, target, grads = global_inputs(case, tp)
+    exact = logits.to(dtype).double()[:, : case.vocab].clone().requires_grad_()
+    safe = target.clamp(min=0)
+    stats = token_stats_reference(exact, safe)
+    logprob = torch.where(target < 0, torch.zeros_like(stats.logprob), stats.logprob)
+    outs = (logprob, stats.entropy, stats.sum_p2)
+    total = sum((o * g).sum() for o, g, u in zip(outs, grads, use, strict=True) if u)
+    total.backward()
+    grad = torch.zeros_like(logits)
+    grad[:, : case.vocab] = exact.grad
+    return [o.detach() for o in outs], grad
+
+
+def _tp_body(rank: int, world_size: int, case: Case, dtype: torch.dtype, use, chunk_size):
+    logits, target, grads = global_inputs(case, world_size)
+    v_local = logits.shape[1] // world_size
+    shard = logits[:, rank * v_local : (rank + 1) * v_local].to(dtype).contiguous()
+    before = shard.clone()
+    shard.requires_grad_()
+    stats = vocab_parallel_stats(
+        shard, target, case.vocab, tp_group=dist.group.WORLD, chunk_size=chunk_size
+    )
+    total = sum((o.double() * g).sum() for o, g, u in zip(stats, grads, use, strict=True) if u)
+    total.backward()
+    assert torch.equal(shard.detach(), before), "the op modified its input logits"
+    return [s.detach().double() for s in stats], shard.grad.double()
+
+
+def _check(case: Case, tp: int, dtype: torch.dtype, use=(True, True, True), chunk_size=7):
+    results = run_distributed(_tp_body, tp, args=(case, dtype, use, chunk_size), timeout=60)
+    ref_outs, ref_grad = _reference(case, tp, dtype, use)
+    grad = torch.cat([g for _, g in results], dim=-1)
+    for outs, _ in results:  # every rank holds the full per-token statistics
+        for name, got, want in zip(("logprob", "entropy", "sum_p2"), outs, ref_outs, strict=True):
+            torch.testing.assert_close(got, want, atol=FP32_ATOL, rtol=0, msg=name)
+    atol = FP32_ATOL if dtype == torch.float32 else BF16_GRAD_ATOL
+    torch.testing.assert_close(grad, ref_grad, atol=atol, rtol=0)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_matches_fp64_reference(case: Case, tp: int) -> None:
+    _check(case, tp, torch.float32)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_bf16_logits(tp: int) -> None:
+    _check(CASES[1], tp, torch.bfloat16)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(
+    "use",
+    [(True, False, False), (False, True, False), (False, False, True)],
+    ids=["logprob_only", "entropy_only", "sum_p2_only"],
+)
+def test_gradient_of_each_output_alone(use) -> None:
+    _check(CASES[3], 2, torch.float32, use=use)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("chunk_size", [1, 5, None], ids=["chunk1", "chunk5", "default"])
+def test_chunking_does_not_change_results(chunk_size) -> None:
+    _check(CASES[1], 2, torch.float32, chunk_size=chunk_size)
+
+
+def _megatron_body(rank: int, world_size: int, case: Case):
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size)
+    try:
+        logits, target, _ = global_inputs(case, world_size)
+        v_local = logits.shape[1] // world_size
+        shard = logits[:, rank * v_local : (rank + 1) * v_local].float().contiguous()
+        # megatron's cross entropy works on [S, B, V/TP]; its in-place max subtraction is
+        # why it gets a clone.
+        ours = vocab_parallel_stats(
+            shard, target, case.vocab, tp_group=parallel_state.get_tensor_model_parallel_group()
+        ).logprob
+        theirs = vocab_parallel_cross_entropy(shard.clone()[:, None, :], target[:, None])[:, 0]
+        return ours, -theirs
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_logprob_equals_megatron_cross_entropy(tp: int) -> None:
+    # Megatron's op does not exclude padded columns, so this uses the unpadded case.
+    for ours, theirs in run_distributed(_megatron_body, tp, args=(CASES[0],), timeout=60):
+        torch.testing.assert_close(ours, theirs, atol=FP32_ATOL, rtol=0)
+
+
+def _two_groups_body(rank: int, world_size: int):
+    # Two independent TP groups of 2 with different data; megatron's global state is never
+    # initialised, so only the explicit group can produce the right answer.
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = rank // 2
+    case = Case(f"group{mine}", n_tokens=12, vocab=300, pad_multiple=128, seed=10 + mine)
+    logits, target, _ = global_inputs(case, 2)
+    v_local = logits.shape[1] // 2
+    local = rank % 2
+    shard = logits[:, local * v_local : (local + 1) * v_local].float()
+    stats = vocab_parallel_stats(shard, target, case.vocab, tp_group=groups[mine])
+    return mine, [s.double() for s in stats]
+
+
+@pytest.mark.dist
+def test_uses_the_explicit_group_not_global_state() -> None:
+    for mine, outs in run_distributed(_two_groups_body, 4, timeout=60):
+        case = Case(f"group{mine}", n_tokens=12, vocab=300, pad_multiple=128, seed=10 + mine)
+        ref, _ = _reference(case, 2, torch.float32, (True, True, True))
+        for got, want in zip(outs, ref, strict=True):
+            torch.testing.assert_close(got, want, atol=FP32_ATOL, rtol=0)
+
+
+def test_fp64_gradcheck_single_process() -> None:
+    logits = torch.randn(6, 11, dtype=torch.float64, requires_grad=True)
+    target = torch.tensor([0, 3, 8, -1, 5, 7])
+
+    def fn(z):
+        return tuple(vocab_parallel_stats(z, target, vocab_size=9, chunk_size=4))
+
+    assert torch.autograd.gradcheck(fn, (logits,))
+
+
+def test_leading_dimensions_and_empty_input() -> None:
+    logits = torch.randn(3, 4, 10, requires_grad=True)
+    target = torch.randint(0, 10, (3, 4))
+    stats = vocab_parallel_stats(logits, target, 10)
+    ref = token_stats_reference(logits.double(), target)
+    for got, want in zip(stats, ref, strict=True):
+        assert got.shape == (3, 4)
+        torch.testing.assert_close(got.double(), want, atol=FP32_ATOL, rtol=0)
+    empty = vocab_parallel_stats(torch.zeros(0, 10, requires_grad=True), torch.zeros(0).long(), 10)
+    assert empty.logprob.shape == (0,)
+
+
+@pytest.mark.parametrize(
+    ("logits_shape", "target", "vocab", "match"),
+    [
+        ((4, 10), torch.zeros(5).long(), 10, "trailing vocabulary"),
+        ((4, 10), torch.zeros(4).long(), 11, "vocab_size=11"),
+        ((4, 10), torch.tensor([0, 1, 2, 10]), 10, "token id 10"),
+        ((4, 10), torch.zeros(4), 10, "integer token ids"),
+    ],
+    ids=["shape_mismatch", "vocab_too_large", "target_out_of_vocab", "float_target"],
+)
+def test_bad_input_names_the_problem(logits_shape, target, vocab, match) -> None:
+    with pytest.raises((ValueError, TypeError), match=match):
+        vocab_parallel_stats(torch.randn(*logits_shape), target, vocab)
