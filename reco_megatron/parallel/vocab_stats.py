@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from reco_megatron.algo.token_stats import TokenStats
+from reco_megatron.parallel.vocab_stats_kernels import Implementation, kernels
 
 DEFAULT_CHUNK_ELEMENTS = 1 << 22
 """Default chunk: this many logits (16 MiB of fp32 per temporary) are upcast at a time."""
@@ -69,7 +70,9 @@ class _VocabParallelStats(torch.autograd.Function):
         chunk: int,
         tp_group: dist.ProcessGroup | None,
         distributed: bool,
+        implementation: Implementation,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        forward_partials, backward_grad = kernels(implementation, logits.device)
         n_tokens = logits.shape[0]
         compute_dtype = torch.promote_types(logits.dtype, torch.float32)  # fp64 stays fp64
         valid = logits[:, :valid_local]
@@ -90,13 +93,9 @@ class _VocabParallelStats(torch.autograd.Function):
         partials = torch.zeros(n_tokens, 4, dtype=compute_dtype, device=logits.device)
         if valid_local > 0:
             for start in range(0, n_tokens, chunk):
-                end = min(start + chunk, n_tokens)
-                _forward_partials(
-                    valid[start:end],
-                    logits_max[start:end],
-                    safe_target[start:end],
-                    in_shard[start:end],
-                    out=partials[start:end],
+                sl = slice(start, min(start + chunk, n_tokens))
+                partials[sl] = forward_partials(
+                    valid[sl], logits_max[sl], safe_target[sl], in_shard[sl]
                 )
         if distributed:
             dist.all_reduce(partials, op=dist.ReduceOp.SUM, group=tp_group)
@@ -112,6 +111,7 @@ class _VocabParallelStats(torch.autograd.Function):
         ctx.save_for_backward(logits, safe_target, in_shard, ignored, lse, entropy, sum_p2)
         ctx.valid_local = valid_local
         ctx.chunk = chunk
+        ctx.backward_grad = backward_grad
         ctx.set_materialize_grads(False)
         return logprob, entropy, sum_p2
 
@@ -134,7 +134,7 @@ class _VocabParallelStats(torch.autograd.Function):
             for start in range(0, n_tokens, chunk):
                 end = min(start + chunk, n_tokens)
                 sl = slice(start, end)
-                grad_logits[sl, :valid_local] = _backward_chunk(
+                grad_logits[sl, :valid_local] = ctx.backward_grad(
                     logits[sl, :valid_local],
                     lse[sl],
                     entropy[sl],
@@ -145,63 +145,7 @@ class _VocabParallelStats(torch.autograd.Function):
                     None if grad_entropy is None else grad_entropy[sl],
                     None if grad_sum_p2 is None else grad_sum_p2[sl],
                 )
-        return grad_logits, None, None, None, None, None, None
-
-
-def _forward_partials(
-    logits: torch.Tensor,  # [n, V_valid] input dtype
-    logits_max: torch.Tensor,  # [n] fp32, global max
-    safe_target: torch.Tensor,  # [n] local column (0 where not in shard)
-    in_shard: torch.Tensor,  # [n] bool
-    out: torch.Tensor,  # [n, 4] fp32: S, T, Q, z_t - m
-) -> None:
-    """Local partial sums of one chunk; no communication."""
-    shifted = torch.sub(logits, logits_max.unsqueeze(-1))  # promotes to fp32: one temporary
-    exp = shifted.exp()
-    out[:, 0] = exp.sum(-1)
-    out[:, 1] = torch.linalg.vecdot(exp, shifted)
-    out[:, 2] = torch.linalg.vecdot(exp, exp)
-    picked = shifted.gather(-1, safe_target.unsqueeze(-1)).squeeze(-1)
-    out[:, 3] = torch.where(in_shard, picked, torch.zeros_like(picked))
-
-
-def _backward_chunk(
-    logits: torch.Tensor,  # [n, V_valid] input dtype
-    lse: torch.Tensor,  # [n] fp32 global logsumexp
-    entropy: torch.Tensor,  # [n]
-    sum_p2: torch.Tensor,  # [n]
-    safe_target: torch.Tensor,  # [n]
-    in_shard: torch.Tensor,  # [n] bool
-    g_logprob: torch.Tensor | None,  # [n]
-    g_entropy: torch.Tensor | None,  # [n]
-    g_sum_p2: torch.Tensor | None,  # [n]
-) -> torch.Tensor:
-    """fp32 gradient of one chunk: ``p * (a + b log p + c p)`` plus the one-hot term.
-
-    With upstream gradients ``gL, gH, gQ``:
-    ``dz = gL (onehot - p) - gH p (log p + H) + 2 gQ p (p - Q)``
-    ``   = p * (-gL - gH H - 2 gQ Q  -  gH log p  +  2 gQ p) + gL onehot``.
-    """
-    logp = torch.sub(logits, lse.unsqueeze(-1))  # fp32 temporary, becomes the gradient
-    p = logp.exp()
-    a = torch.zeros_like(lse)
-    if g_logprob is not None:
-        a = a - g_logprob
-    if g_entropy is not None:
-        a = a - g_entropy * entropy
-        logp.mul_(-g_entropy.unsqueeze(-1))
-    else:
-        logp.zero_()
-    logp.add_(a.unsqueeze(-1))
-    if g_sum_p2 is not None:
-        a2 = 2.0 * g_sum_p2
-        logp.sub_(a2.unsqueeze(-1) * sum_p2.unsqueeze(-1))
-        logp.addcmul_(p, a2.unsqueeze(-1))
-    grad = logp.mul_(p)
-    if g_logprob is not None:
-        onehot_grad = torch.where(in_shard, g_logprob, torch.zeros_like(g_logprob))
-        grad.scatter_add_(-1, safe_target.unsqueeze(-1), onehot_grad.unsqueeze(-1))
-    return grad
+        return grad_logits, None, None, None, None, None, None, None
 
 
 def vocab_parallel_stats(
@@ -210,6 +154,7 @@ def vocab_parallel_stats(
     vocab_size: int,
     tp_group: dist.ProcessGroup | None = None,
     chunk_size: int | None = None,
+    implementation: Implementation = "auto",
 ) -> TokenStats:
     """Log-prob of ``target``, entropy and ``sum p^2`` from this rank's vocabulary shard.
 
@@ -224,6 +169,8 @@ def vocab_parallel_stats(
             tensor parallelism (``logits`` holds the whole vocabulary); never read from
             global state.
         chunk_size: tokens upcast to fp32 at a time. Default: ``2**22 / V_local`` tokens.
+        implementation: ``eager`` PyTorch ops, ``compiled`` (``torch.compile`` fuses each
+            chunk into one pass over the logits), or ``auto`` (compiled on CUDA, eager on CPU).
 
     Returns:
         :class:`TokenStats` of fp32 tensors (fp64 for fp64 logits) shaped like ``target``.
@@ -270,6 +217,7 @@ def vocab_parallel_stats(
         _chunk_tokens(chunk_size, vocab_local),
         tp_group,
         tp_size > 1,
+        implementation,
     )
     shape = target.shape
     return TokenStats(logprob.view(shape), entropy.view(shape), sum_p2.view(shape))

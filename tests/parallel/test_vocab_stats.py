@@ -184,3 +184,38 @@ def test_leading_dimensions_and_empty_input() -> None:
 def test_bad_input_names_the_problem(logits_shape, target, vocab, match) -> None:
     with pytest.raises((ValueError, TypeError), match=match):
         vocab_parallel_stats(torch.randn(*logits_shape), target, vocab)
+
+
+def _compiled_body(rank: int, world_size: int, case: Case):
+    logits, target, grads = global_inputs(case, world_size)
+    v_local = logits.shape[1] // world_size
+    shard = logits[:, rank * v_local : (rank + 1) * v_local].float().contiguous()
+    out = {}
+    for impl in ("eager", "compiled"):
+        x = shard.clone().requires_grad_()
+        stats = vocab_parallel_stats(
+            x, target, case.vocab, tp_group=dist.group.WORLD, chunk_size=8, implementation=impl
+        )
+        sum((o.double() * g).sum() for o, g in zip(stats, grads, strict=True)).backward()
+        out[impl] = ([s.detach().double() for s in stats], x.grad.double())
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_compiled_kernels_match_eager_and_reference() -> None:
+    # torch.compile fuses each chunk (C++ on CPU, Triton on GPU); same math, other summation
+    # order, so the same fp32 tolerance applies. One TP=2 case: each rank compiles once.
+    case = CASES[3]
+    results = run_distributed(_compiled_body, 2, args=(case,), timeout=300)
+    ref_outs, ref_grad = _reference(case, 2, torch.float32, (True, True, True))
+    for impl in ("eager", "compiled"):
+        grad = torch.cat([r[impl][1] for r in results], dim=-1)
+        torch.testing.assert_close(grad, ref_grad, atol=FP32_ATOL, rtol=0)
+        for got, want in zip(results[0][impl][0], ref_outs, strict=True):
+            torch.testing.assert_close(got, want, atol=FP32_ATOL, rtol=0)
+
+
+def test_unknown_implementation_is_rejected() -> None:
+    with pytest.raises(ValueError, match="'fused'"):
+        vocab_parallel_stats(torch.randn(2, 5), torch.zeros(2).long(), 5, implementation="fused")
