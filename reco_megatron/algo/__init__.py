@@ -1,9 +1,31 @@
 """Pure ReCo / GRPO-family math on per-token log-probs.
 
 No megatron, no vllm, no torch.distributed here (a test enforces it): every function is a
-tensor function testable in one CPU process.
+tensor function testable in one CPU process. Formulas and conventions: ``docs/loss.md``.
 """
 
-from reco_megatron.algo.token_stats import TokenStats
+from reco_megatron.algo.advantages import group_advantages
+from reco_megatron.algo.config import PRESETS, LossConfig
+from reco_megatron.algo.metrics import merge_metrics, reduction_of
+from reco_megatron.algo.passk import diversity_metrics, pass_at_k
+from reco_megatron.algo.policy_loss import aggregate, policy_loss
+from reco_megatron.algo.ratios import TokenRatio, token_ratio
+from reco_megatron.algo.token_stats import TokenStats, token_stats_reference
+from reco_megatron.algo.weights import response_weights
 
-__all__ = ["TokenStats"]
+__all__ = [
+    "PRESETS",
+    "LossConfig",
+    "TokenRatio",
+    "TokenStats",
+    "aggregate",
+    "diversity_metrics",
+    "group_advantages",
+    "merge_metrics",
+    "pass_at_k",
+    "policy_loss",
+    "reduction_of",
+    "response_weights",
+    "token_ratio",
+    "token_stats_reference",
+]

@@ -1,0 +1,243 @@
+"""``LossConfig``: every knob of the GRPO-family / ReCo loss, and the paper presets.
+
+One dataclass drives one code path (:func:`reco_megatron.algo.policy_loss`): GRPO, Dr.GRPO,
+DAPO, CISPO and ReCo differ only in field values. Build one with
+``LossConfig.preset("reco", eps_high=0.28)`` or directly with keywords.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Objective = Literal["ppo_clip", "reco", "cispo"]
+AdvantageMode = Literal["grpo", "dr_grpo", "rloo"]
+WeightMode = Literal["sequence", "geometric", "empirical", "none"]
+RatioMode = Literal["importance", "bernoulli", "categorical"]
+Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+KLEstimator = Literal["k1", "k3"]
+
+OBJECTIVES: tuple[str, ...] = ("ppo_clip", "reco", "cispo")
+ADVANTAGE_MODES: tuple[str, ...] = ("grpo", "dr_grpo", "rloo")
+WEIGHT_MODES: tuple[str, ...] = ("sequence", "geometric", "empirical", "none")
+RATIO_MODES: tuple[str, ...] = ("importance", "bernoulli", "categorical")
+AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+KL_ESTIMATORS: tuple[str, ...] = ("k1", "k3")
+
+
+def _choice(name: str, value: object, valid: tuple[str, ...]) -> None:
+    if value not in valid:
+        raise ValueError(f"{name} must be one of {valid}, got {value!r}")
+
+
+@dataclass(kw_only=True)
+class LossConfig:
+    """Configuration of :func:`reco_megatron.algo.policy_loss` and its helpers.
+
+    The defaults are the ReCo loss (sequence weights, Bernoulli ratio, PPO-clip mask,
+    token-mean) without the KL term that the ``reco`` preset inherits from GRPO. See
+    ``docs/loss.md`` for the formulas and :meth:`preset` for the baselines.
+    """
+
+    objective: Objective = "reco"
+    """Per-token surrogate: ``ppo_clip`` (GRPO/DAPO, ``-min(rA, clip(r)A)``), ``reco``
+    (``-sg(c) A log p`` masked where the PPO clip fires) or ``cispo``
+    (``-sg(min(r, 1+cispo_eps_high)) A log p``)."""
+
+    advantage_mode: AdvantageMode = "grpo"
+    """How :func:`group_advantages` centres rewards: ``grpo`` ((R-mean)/(std+eps)),
+    ``dr_grpo`` (R-mean), ``rloo`` (R minus the leave-one-out mean)."""
+
+    advantage_eps: float = 1e-6
+    """Added to the group std in ``grpo`` advantages (> 0)."""
+
+    response_weight: WeightMode = "sequence"
+    """ReCo response weight (:func:`response_weights`): ``sequence`` (1/max(1, G pi_old)),
+    ``geometric``, ``empirical`` (1/duplicate count) or ``none``. Any mode other than ``none``
+    requires ``weights=`` in :func:`policy_loss`, computed on complete groups."""
+
+    token_ratio: RatioMode = "bernoulli"
+    """Detached per-token coefficient of the ``reco`` objective: ``importance`` (r = p/p_old,
+    gives the PPO-clip gradient), ``bernoulli`` (p(1-p) / p_old(1-p_old)) or ``categorical``
+    ((1 - sum p^2) / (1 - sum p_old^2)). Only ``importance`` is valid for other objectives."""
+
+    eps_low: float = 0.2
+    """PPO clip below: the ratio r may fall to ``1 - eps_low`` (in (0, 1))."""
+
+    eps_high: float = 0.2
+    """PPO clip above: the ratio r may rise to ``1 + eps_high`` (> 0; DAPO clip-higher: 0.28)."""
+
+    dual_clip_c: float | None = None
+    """Dual-clip constant (> 1) bounding the ``ppo_clip`` loss at ``-c A`` for A < 0;
+    ``None`` disables it (Ye et al. 2020, "Mastering Complex Control in MOBA Games")."""
+
+    cispo_eps_high: float = 0.2
+    """CISPO cap of the detached IS weight: ``min(r, 1 + cispo_eps_high)`` (> 0)."""
+
+    cispo_eps_low: float | None = None
+    """Optional CISPO floor ``max(r, 1 - cispo_eps_low)``; ``None`` (MiniMax-M1) disables it."""
+
+    prob_eps: float = 1e-6
+    """Probabilities are clamped to ``[prob_eps, 1 - prob_eps]`` (and variances to
+    ``>= prob_eps``) in the Bernoulli / categorical ratios (in (0, 0.5))."""
+
+    c_max: float = 10.0
+    """Cap of the Bernoulli / categorical ratio c (>= 1)."""
+
+    max_log_ratio: float = 20.0
+    """``log r`` is clamped to ``[-max_log_ratio, max_log_ratio]`` before ``exp`` so r stays
+    finite (as in verl); beyond it r carries no gradient (> 0)."""
+
+    geometric_w_min: float = 0.1
+    """Lower clip of the group-normalised ``geometric`` weights (in (0, 1])."""
+
+    geometric_w_max: float = 10.0
+    """Upper clip of the group-normalised ``geometric`` weights (>= 1)."""
+
+    kl_coef: float = 0.0
+    """Coefficient of the per-token KL penalty to the reference policy (>= 0); > 0 requires
+    ``ref_logp=`` in :func:`policy_loss`."""
+
+    kl_estimator: KLEstimator = "k3"
+    """KL(pi || ref) estimator on sampled tokens: ``k1`` (log p - log p_ref) or ``k3``
+    (exp(log p_ref - log p) - (log p_ref - log p) - 1, Schulman's unbiased low-variance one)."""
+
+    entropy_coef: float = 0.0
+    """Coefficient of the entropy bonus (>= 0; the loss gets ``- entropy_coef * H``); > 0
+    requires ``stats=`` (TokenStats with entropy) in :func:`policy_loss`."""
+
+    aggregation: Aggregation = "token_mean"
+    """How per-token losses become one scalar: ``token_mean`` (sum / global token count),
+    ``seq_mean_token_mean`` (per-sequence mean, summed / global sequence count) or
+    ``seq_mean_token_sum_norm`` (per-sequence sum / ``loss_normalizer``, summed / global
+    sequence count; Dr.GRPO)."""
+
+    loss_normalizer: float | None = None
+    """Constant dividing each sequence's token sum in ``seq_mean_token_sum_norm``, typically the
+    maximum response length in tokens; required (> 0) for that aggregation."""
+
+    def __post_init__(self) -> None:
+        _choice("objective", self.objective, OBJECTIVES)
+        _choice("advantage_mode", self.advantage_mode, ADVANTAGE_MODES)
+        _choice("response_weight", self.response_weight, WEIGHT_MODES)
+        _choice("token_ratio", self.token_ratio, RATIO_MODES)
+        _choice("aggregation", self.aggregation, AGGREGATIONS)
+        _choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        if not 0.0 < self.eps_low < 1.0:
+            raise ValueError(
+                f"eps_low must be in (0, 1), got {self.eps_low}: the ratio's lower bound is "
+                "1 - eps_low (GRPO/DAPO use 0.2)"
+            )
+        if not self.eps_high > 0.0:
+            raise ValueError(
+                f"eps_high must be > 0, got {self.eps_high}: the ratio's upper bound is "
+                "1 + eps_high (GRPO uses 0.2, DAPO 0.28)"
+            )
+        if self.dual_clip_c is not None and not self.dual_clip_c > 1.0:
+            raise ValueError(f"dual_clip_c must be > 1 or None, got {self.dual_clip_c} (try 3.0)")
+        if not self.cispo_eps_high > 0.0:
+            raise ValueError(f"cispo_eps_high must be > 0, got {self.cispo_eps_high}")
+        if self.cispo_eps_low is not None and not 0.0 < self.cispo_eps_low <= 1.0:
+            raise ValueError(f"cispo_eps_low must be in (0, 1] or None, got {self.cispo_eps_low}")
+        if not self.advantage_eps > 0.0:
+            raise ValueError(f"advantage_eps must be > 0, got {self.advantage_eps} (try 1e-6)")
+        if not 0.0 < self.prob_eps < 0.5:
+            raise ValueError(f"prob_eps must be in (0, 0.5), got {self.prob_eps} (try 1e-6)")
+        if not self.c_max >= 1.0:
+            raise ValueError(f"c_max must be >= 1, got {self.c_max}: c == 1 at the old policy")
+        if not self.max_log_ratio > 0.0:
+            raise ValueError(f"max_log_ratio must be > 0, got {self.max_log_ratio} (try 20.0)")
+        if not 0.0 < self.geometric_w_min <= 1.0:
+            raise ValueError(
+                f"geometric_w_min must be in (0, 1], got {self.geometric_w_min}: weights are "
+                "normalised to mean 1 before clipping"
+            )
+        if not self.geometric_w_max >= 1.0:
+            raise ValueError(f"geometric_w_max must be >= 1, got {self.geometric_w_max}")
+        if not (self.kl_coef >= 0.0 and math.isfinite(self.kl_coef)):
+            raise ValueError(f"kl_coef must be finite and >= 0, got {self.kl_coef}")
+        if not (self.entropy_coef >= 0.0 and math.isfinite(self.entropy_coef)):
+            raise ValueError(f"entropy_coef must be finite and >= 0, got {self.entropy_coef}")
+        if self.objective != "reco" and self.token_ratio != "importance":
+            raise ValueError(
+                f"token_ratio={self.token_ratio!r} only applies to objective='reco', got "
+                f"objective={self.objective!r}: set token_ratio='importance' or objective='reco'"
+            )
+        if self.aggregation == "seq_mean_token_sum_norm" and not (
+            self.loss_normalizer is not None and self.loss_normalizer > 0
+        ):
+            raise ValueError(
+                f"aggregation='seq_mean_token_sum_norm' needs loss_normalizer > 0, got "
+                f"{self.loss_normalizer}: pass the maximum response length in tokens, e.g. "
+                "loss_normalizer=4096"
+            )
+        if self.loss_normalizer is not None and not self.loss_normalizer > 0:
+            raise ValueError(f"loss_normalizer must be > 0 or None, got {self.loss_normalizer}")
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> LossConfig:
+        """The config of a named method, with keyword overrides applied on top.
+
+        - ``grpo``: DeepSeekMath (arXiv 2402.03300): PPO clip eps 0.2, k3 KL with beta 0.04,
+          std-normalised advantages. Aggregated ``token_mean`` like every preset but Dr.GRPO
+          (the paper writes a per-sequence mean: pass ``aggregation="seq_mean_token_mean"``).
+        - ``dapo``: DAPO (arXiv 2503.14476): clip-higher eps_low 0.2 / eps_high 0.28,
+          token-mean, no KL.
+        - ``dr_grpo``: Dr.GRPO (arXiv 2503.20783): advantage without std, per-sequence token
+          sum over a constant (``seq_mean_token_sum_norm``), eps 0.2, no KL. The constant is the
+          generation budget and has no universal value: pass ``loss_normalizer=<max tokens>``.
+        - ``cispo``: MiniMax-M1 (arXiv 2506.13585): detached ``min(r, 1 + eps_high)`` weight on
+          every token, no lower bound, token-mean, no KL. The paper tunes only eps_high and does
+          not print it; 0.2 follows verl's canonical CISPO example (clip_ratio_high=0.2).
+        - ``reco``: ReCo (arXiv 2607.26862): GRPO plus sequence response weights and the
+          Bernoulli token ratio under the PPO-clip mask.
+        - ``reco_response_only`` / ``reco_token_only``: ReCo with the token ratio set back to
+          ``importance`` / the response weight set to ``none`` (ablations).
+
+        Raises ``ValueError`` listing the valid names for an unknown ``name``.
+        """
+        if name not in PRESETS:
+            raise ValueError(f"unknown loss preset {name!r}; valid presets: {sorted(PRESETS)}")
+        fields = {**PRESETS[name], **overrides}
+        valid = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - valid)
+        if unknown:
+            raise ValueError(f"unknown LossConfig field(s) {unknown}; valid: {sorted(valid)}")
+        return cls(**fields)
+
+
+_GRPO: dict[str, Any] = dict(
+    objective="ppo_clip",
+    advantage_mode="grpo",
+    response_weight="none",
+    token_ratio="importance",
+    eps_low=0.2,
+    eps_high=0.2,
+    kl_coef=0.04,
+    kl_estimator="k3",
+    aggregation="token_mean",
+)
+_RECO: dict[str, Any] = {
+    **_GRPO,
+    "objective": "reco",
+    "response_weight": "sequence",
+    "token_ratio": "bernoulli",
+}
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "grpo": _GRPO,
+    "dapo": {**_GRPO, "eps_high": 0.28, "kl_coef": 0.0},
+    "dr_grpo": {
+        **_GRPO,
+        "advantage_mode": "dr_grpo",
+        "kl_coef": 0.0,
+        "aggregation": "seq_mean_token_sum_norm",
+    },
+    "cispo": {**_GRPO, "objective": "cispo", "cispo_eps_high": 0.2, "kl_coef": 0.0},
+    "reco": _RECO,
+    "reco_response_only": {**_RECO, "token_ratio": "importance"},
+    "reco_token_only": {**_RECO, "response_weight": "none"},
+}
+"""Field values of each named preset; see :meth:`LossConfig.preset`."""

@@ -1,0 +1,94 @@
+"""Detached loss metrics and the naming convention that says how each one reduces.
+
+Every metric key ends in its reduction across micro-batches and ranks: ``"<name>/sum"``,
+``"<name>/mean"``, ``"<name>/min"`` or ``"<name>/max"`` (e.g. ``"clip_frac_high/mean"``,
+``"ratio_max/max"``). Values are detached 0-d fp32 tensors. ``mean`` metrics are means over
+the local micro-batch; averaging them over micro-batches/ranks (what :func:`merge_metrics`
+does) weights each micro-batch equally, which is exact only for equal token counts. Quantile
+metrics (``p50``, ``p99``) reduce by ``mean`` as an approximation; their ``max`` is exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+
+REDUCTIONS: tuple[str, ...] = ("sum", "mean", "min", "max")
+
+
+def reduction_of(key: str) -> str:
+    """The reduction named by a metric key's suffix (``"kl/mean"`` -> ``"mean"``)."""
+    suffix = key.rsplit("/", 1)[-1]
+    if suffix not in REDUCTIONS:
+        raise ValueError(f"metric key {key!r} must end in one of /{'|/'.join(REDUCTIONS)}")
+    return suffix
+
+
+def merge_metrics(parts: Iterable[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Combine metric dicts of several micro-batches by each key's reduction (single process).
+
+    The distributed version all-reduces with the same rule (SUM for ``sum``/``mean`` followed
+    by a division by the number of contributors, MIN, MAX); it lives outside ``algo``.
+    """
+    collected: dict[str, list[torch.Tensor]] = {}
+    for part in parts:
+        for key, value in part.items():
+            collected.setdefault(key, []).append(value.detach().float())
+    out: dict[str, torch.Tensor] = {}
+    for key, values in collected.items():
+        stacked = torch.stack(values)
+        red = reduction_of(key)
+        if red == "sum":
+            out[key] = stacked.sum()
+        elif red == "mean":
+            out[key] = stacked.mean()
+        elif red == "min":
+            out[key] = stacked.min()
+        else:
+            out[key] = stacked.max()
+    return out
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of ``values`` where ``mask`` is true (0 when nothing is selected). Shapes match."""
+    maskb = mask.bool()
+    total = torch.where(maskb, values, torch.zeros_like(values)).sum()
+    return (total / maskb.sum().clamp(min=1)).detach().float()
+
+
+def quantile_metrics(
+    name: str, values: torch.Tensor, mask: torch.Tensor, qs: tuple[float, ...] = (0.5, 0.99)
+) -> dict[str, torch.Tensor]:
+    """``{name}_p50/mean``, ``{name}_p99/mean``, ``{name}_max/max`` of ``values[mask]``.
+
+    ``values``, ``mask``: same shape (e.g. ``[B, T]``). An empty selection gives zeros.
+    Non-finite values are kept for ``max`` and excluded from the quantiles.
+    """
+    selected = values.detach().float()[mask.bool()]
+    out: dict[str, torch.Tensor] = {}
+    finite = selected[torch.isfinite(selected)]
+    for q in qs:
+        key = f"{name}_p{round(q * 100):d}/mean"
+        out[key] = torch.quantile(finite, q) if finite.numel() else torch.zeros(())
+    out[f"{name}_max/max"] = selected.max() if selected.numel() else torch.zeros(())
+    return out
+
+
+def weight_metrics(weights: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Mean, min, max and effective sample size of response weights ``w [B]``.
+
+    ESS = (sum w)^2 / (sum w^2) / n, in (0, 1]; 1 means uniform weights.
+    """
+    w = weights.detach().double()
+    n = max(w.numel(), 1)
+    sq = (w * w).sum()
+    ess = (w.sum() ** 2 / sq / n) if sq > 0 else torch.zeros((), dtype=torch.float64)
+    empty = w.numel() == 0
+    zero = torch.zeros((), dtype=torch.float64)
+    return {
+        "weight_mean/mean": (zero if empty else w.mean()).float(),
+        "weight_min/min": (zero if empty else w.min()).float(),
+        "weight_max/max": (zero if empty else w.max()).float(),
+        "weight_ess/mean": ess.float(),
+    }

@@ -1,0 +1,248 @@
+"""The GRPO-family / ReCo policy loss: a pure function of per-token log-probs.
+
+Run on CPU: ``policy_loss(logp, logp_old, adv, mask, LossConfig.preset("reco"), weights=w)``
+with ``logp [B, T]`` requiring grad. The formulas are in ``docs/loss.md``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from reco_megatron.algo.config import AGGREGATIONS, LossConfig
+from reco_megatron.algo.metrics import masked_mean, quantile_metrics, weight_metrics
+from reco_megatron.algo.ratios import importance_ratio, token_ratio
+from reco_megatron.algo.token_stats import TokenStats
+
+
+def aggregate(
+    per_token: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str = "token_mean",
+    *,
+    global_num_tokens: float | torch.Tensor | None = None,
+    global_num_seqs: float | torch.Tensor | None = None,
+    loss_normalizer: float | None = None,
+) -> torch.Tensor:
+    """Reduce per-token losses ``[B, T]`` to this batch's contribution to the global loss.
+
+    - ``token_mean``: ``sum_{i,t} m l / N_tok``;
+    - ``seq_mean_token_mean``: ``sum_i (sum_t m l / max(1, n_i)) / N_seq``;
+    - ``seq_mean_token_sum_norm``: ``sum_i (sum_t m l / loss_normalizer) / N_seq``.
+
+    ``N_tok`` / ``N_seq`` are the token / sequence counts of the *global* batch (all
+    micro-batches of one optimizer step on all data-parallel ranks); with them the sum of the
+    returned values over micro-batches equals the full-batch loss, so the gradient does not
+    depend on the split. ``None`` uses the local counts (``mask.sum()`` clamped to >= 1, and
+    ``B``). Masked positions may hold any value, including inf/NaN: they are zeroed by ``where``.
+    """
+    if mode not in AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {mode!r}")
+    maskb = mask.bool()
+    lt = torch.where(maskb, per_token, torch.zeros_like(per_token))
+    if mode == "token_mean":
+        denom = global_num_tokens if global_num_tokens is not None else maskb.sum().clamp(min=1)
+        return lt.sum() / denom
+    n_seq = global_num_seqs if global_num_seqs is not None else max(per_token.shape[0], 1)
+    if mode == "seq_mean_token_mean":
+        lengths = maskb.sum(dim=-1).clamp(min=1).to(lt.dtype)
+        return (lt.sum(dim=-1) / lengths).sum() / n_seq
+    if loss_normalizer is None or not loss_normalizer > 0:
+        raise ValueError(
+            f"seq_mean_token_sum_norm needs loss_normalizer > 0, got {loss_normalizer}: pass "
+            "the maximum response length in tokens"
+        )
+    return (lt.sum(dim=-1) / loss_normalizer).sum() / n_seq
+
+
+def _check_inputs(
+    logp: torch.Tensor,
+    logp_old: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    weights: torch.Tensor | None,
+    ref_logp: torch.Tensor | None,
+) -> None:
+    if logp.dim() != 2:
+        raise ValueError(f"logp must be [B, T], got shape {tuple(logp.shape)}")
+    for name, t in (("logp_old", logp_old), ("mask", mask), ("ref_logp", ref_logp)):
+        if t is not None and t.shape != logp.shape:
+            raise ValueError(f"{name} must match logp {tuple(logp.shape)}, got {tuple(t.shape)}")
+    for name, t in (("advantages", advantages), ("weights", weights)):
+        if t is not None and t.shape != logp.shape[:1]:
+            raise ValueError(f"{name} must be [B] = [{logp.shape[0]}], got {tuple(t.shape)}")
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    logp_old: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    cfg: LossConfig,
+    *,
+    weights: torch.Tensor | None = None,
+    stats: TokenStats | None = None,
+    stats_old: TokenStats | None = None,
+    ref_logp: torch.Tensor | None = None,
+    global_num_tokens: float | torch.Tensor | None = None,
+    global_num_seqs: float | torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Policy-gradient loss of one (micro-)batch and its detached metrics.
+
+    Args:
+        logp: ``[B, T]`` log p of the sampled tokens under the current policy (with grad).
+        logp_old: ``[B, T]`` the same under the policy that sampled them (no grad).
+        advantages: ``[B]`` per-response advantages (:func:`group_advantages`).
+        mask: ``[B, T]`` 1 on response tokens.
+        cfg: the loss configuration.
+        weights: ``[B]`` response weights (:func:`response_weights`, computed on complete
+            groups before the split); required unless ``cfg.response_weight == "none"``.
+            They multiply the policy term of every objective (not the KL/entropy terms).
+        stats, stats_old: :class:`TokenStats` ``[B, T]`` of the current / old policy; ``stats``
+            for the entropy bonus and metric, both for ``token_ratio="categorical"``.
+        ref_logp: ``[B, T]`` reference-policy log-probs; required when ``cfg.kl_coef > 0``.
+        global_num_tokens, global_num_seqs: counts of the whole global batch (see
+            :func:`aggregate`); ``None`` means this batch is the whole batch.
+
+    Per-token policy term (``r = p / p_old``, A the advantage, w the weight):
+        - ``ppo_clip``: ``w * max(-r A, -clip(r, 1-eps_low, 1+eps_high) A)``, optionally
+          ``min(., -dual_clip_c A)`` for A < 0;
+        - ``reco``: ``-w sg(c) A log p`` on tokens where the clip does not fire in A's
+          direction (not (A > 0 and r > 1+eps_high), not (A < 0 and r < 1-eps_low)), 0 else;
+          so ``d loss / d log p = -w c A / Z`` there, with Z the aggregation denominator;
+        - ``cispo``: ``-w sg(clip(r, 1-cispo_eps_low, 1+cispo_eps_high)) A log p``.
+        plus ``kl_coef * KL_t`` and ``- entropy_coef * H_t``.
+
+    Returns:
+        ``(loss, metrics)``: the scalar loss (this batch's contribution to the global loss)
+        and a dict of detached 0-d tensors keyed ``"<name>/<reduction>"``
+        (:mod:`reco_megatron.algo.metrics`).
+    """
+    _check_inputs(logp, logp_old, advantages, mask, weights, ref_logp)
+    if cfg.response_weight != "none" and weights is None:
+        raise ValueError(
+            f"cfg.response_weight={cfg.response_weight!r} needs weights= [B]: compute them with "
+            "response_weights(logp_old, mask, group_size, mode) on complete groups before "
+            "splitting the batch, or set response_weight='none'"
+        )
+    if cfg.entropy_coef > 0 and stats is None:
+        raise ValueError(
+            f"entropy_coef={cfg.entropy_coef} needs stats= (TokenStats of the current policy, "
+            "with entropy); pass it or set entropy_coef=0"
+        )
+    if cfg.kl_coef > 0 and ref_logp is None:
+        raise ValueError(
+            f"kl_coef={cfg.kl_coef} needs ref_logp= [B, T] from the reference policy; pass it "
+            "or set kl_coef=0"
+        )
+    if cfg.token_ratio == "categorical" and (stats is None or stats_old is None):
+        raise ValueError(
+            "token_ratio='categorical' needs stats= and stats_old= (TokenStats with sum_p2 of "
+            "the current and the old policy)"
+        )
+
+    maskb = mask.bool()
+    zeros = torch.zeros_like(logp)
+    # Padded positions may hold -inf/NaN: replace them before any arithmetic so that neither
+    # the forward value nor the gradient sees them.
+    lp = torch.where(maskb, logp, zeros)
+    lp_old = torch.where(maskb, logp_old.detach().to(logp.dtype), zeros)
+    adv = advantages.detach().to(logp.dtype).unsqueeze(1)
+    ratio = importance_ratio(lp, lp_old, cfg.max_log_ratio)
+    r = ratio.detach()
+    clip_high = maskb & (adv > 0) & (r > 1.0 + cfg.eps_high)
+    clip_low = maskb & (adv < 0) & (r < 1.0 - cfg.eps_low)
+
+    c_raw: torch.Tensor | None = None
+    if cfg.objective == "ppo_clip":
+        surr = -adv * ratio
+        surr_clipped = -adv * ratio.clamp(1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
+        per_token = torch.maximum(surr, surr_clipped)
+        if cfg.dual_clip_c is not None:
+            dual = torch.minimum(per_token, -adv * cfg.dual_clip_c)
+            per_token = torch.where(adv < 0, dual, per_token)
+    elif cfg.objective == "reco":
+        sum_p2 = None if stats is None else torch.where(maskb, stats.sum_p2, zeros)
+        sum_p2_old = None if stats_old is None else torch.where(maskb, stats_old.sum_p2, zeros)
+        tr = token_ratio(
+            lp,
+            lp_old,
+            cfg.token_ratio,
+            sum_p2=sum_p2,
+            sum_p2_old=sum_p2_old,
+            prob_eps=cfg.prob_eps,
+            c_max=cfg.c_max,
+            max_log_ratio=cfg.max_log_ratio,
+        )
+        c = tr.ratio.detach()
+        c_raw = tr.raw
+        per_token = torch.where(clip_high | clip_low, zeros, -(c * adv) * lp)
+    else:
+        lo = 0.0 if cfg.cispo_eps_low is None else 1.0 - cfg.cispo_eps_low
+        coef = r.clamp(min=lo, max=1.0 + cfg.cispo_eps_high)
+        per_token = -(coef * adv) * lp
+    if weights is not None:
+        per_token = per_token * weights.detach().to(logp.dtype).unsqueeze(1)
+
+    kl_tok: torch.Tensor | None = None
+    if ref_logp is not None:
+        ref = torch.where(maskb, ref_logp.detach().to(logp.dtype), zeros)
+        if cfg.kl_estimator == "k1":
+            kl_tok = lp - ref
+        else:
+            d = (ref - lp).clamp(-cfg.max_log_ratio, cfg.max_log_ratio)
+            kl_tok = torch.exp(d) - d - 1.0
+        if cfg.kl_coef > 0:
+            per_token = per_token + cfg.kl_coef * kl_tok
+    entropy: torch.Tensor | None = None
+    if stats is not None:
+        entropy = torch.where(maskb, stats.entropy.to(logp.dtype), zeros)
+        if cfg.entropy_coef > 0:
+            per_token = per_token - cfg.entropy_coef * entropy
+
+    loss = aggregate(
+        per_token,
+        maskb,
+        cfg.aggregation,
+        global_num_tokens=global_num_tokens,
+        global_num_seqs=global_num_seqs,
+        loss_normalizer=cfg.loss_normalizer,
+    )
+
+    with torch.no_grad():
+        metrics = _metrics(maskb, r, lp, lp_old, clip_low, clip_high, c_raw, weights, kl_tok)
+        if entropy is not None:
+            metrics["entropy/mean"] = masked_mean(entropy, maskb)
+        metrics["loss/sum"] = loss.detach().float()
+    return loss, metrics
+
+
+def _metrics(
+    maskb: torch.Tensor,
+    r: torch.Tensor,
+    lp: torch.Tensor,
+    lp_old: torch.Tensor,
+    clip_low: torch.Tensor,
+    clip_high: torch.Tensor,
+    c_raw: torch.Tensor | None,
+    weights: torch.Tensor | None,
+    kl_ref: torch.Tensor | None,
+) -> dict[str, torch.Tensor]:
+    """Detached metrics of :func:`policy_loss` (inputs already zeroed at padding)."""
+    m: dict[str, torch.Tensor] = {
+        "num_tokens/sum": maskb.sum().float(),
+        "num_seqs/sum": torch.tensor(float(maskb.shape[0])),
+        "clip_frac_low/mean": masked_mean(clip_low.float(), maskb),
+        "clip_frac_high/mean": masked_mean(clip_high.float(), maskb),
+        "clip_frac/mean": masked_mean((clip_low | clip_high).float(), maskb),
+    }
+    m.update(quantile_metrics("ratio", r, maskb))
+    if c_raw is not None:
+        m.update(quantile_metrics("token_ratio", c_raw, maskb))
+    # KL(old || new) on tokens sampled from old: k3 with log(p/p_old).
+    log_r = (lp - lp_old).clamp(-20.0, 20.0)
+    m["kl_old_new/mean"] = masked_mean(torch.exp(log_r) - log_r - 1.0, maskb)
+    if kl_ref is not None:
+        m["kl_ref/mean"] = masked_mean(kl_ref, maskb)
+    if weights is not None:
+        m.update(weight_metrics(weights))
+    return m

@@ -1,0 +1,87 @@
+"""Per-token ratios: the importance ratio r and ReCo's variance ratios c.
+
+Every function returns detached-or-not tensors as documented and never NaN/inf on masked-out
+positions as long as the caller zeroes them (``policy_loss`` does).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from reco_megatron.algo.config import RATIO_MODES
+
+
+class TokenRatio(NamedTuple):
+    """Result of :func:`token_ratio`; both fields have the shape of ``logp`` (``[B, T]``)."""
+
+    ratio: torch.Tensor
+    """The coefficient used by the loss: capped at ``c_max`` for ``bernoulli``/``categorical``;
+    for ``importance`` r itself (differentiable if ``logp`` is)."""
+    raw: torch.Tensor
+    """The same before the ``c_max`` cap (detached; for metrics)."""
+
+
+def importance_ratio(
+    logp: torch.Tensor, logp_old: torch.Tensor, max_log_ratio: float = 20.0
+) -> torch.Tensor:
+    """``r = exp(clamp(logp - logp_old, -max_log_ratio, max_log_ratio))``, differentiable."""
+    log_ratio = (logp - logp_old.detach()).clamp(-max_log_ratio, max_log_ratio)
+    return torch.exp(log_ratio)
+
+
+def bernoulli_variance(logp: torch.Tensor, prob_eps: float) -> torch.Tensor:
+    """``p (1 - p)`` of the sampled token, with p and 1-p clamped to ``[prob_eps, 1]``.
+
+    ``1 - p`` is computed as ``-expm1(logp)``, accurate when p is near 1. Detached.
+    """
+    lp = logp.detach()
+    p = torch.exp(lp).clamp(min=prob_eps, max=1.0 - prob_eps)
+    q = (-torch.expm1(lp)).clamp(min=prob_eps, max=1.0 - prob_eps)
+    return p * q
+
+
+def categorical_variance(sum_p2: torch.Tensor, prob_eps: float) -> torch.Tensor:
+    """``1 - sum_v p_v^2`` clamped to ``[prob_eps, 1]``. Detached."""
+    return (1.0 - sum_p2.detach()).clamp(min=prob_eps, max=1.0)
+
+
+def token_ratio(
+    logp: torch.Tensor,
+    logp_old: torch.Tensor,
+    mode: str = "bernoulli",
+    *,
+    sum_p2: torch.Tensor | None = None,
+    sum_p2_old: torch.Tensor | None = None,
+    prob_eps: float = 1e-6,
+    c_max: float = 10.0,
+    max_log_ratio: float = 20.0,
+) -> TokenRatio:
+    """Per-token ratio of the current to the old policy, ``[B, T]`` (any matching shapes).
+
+    - ``importance``: ``r = exp(logp - logp_old)`` (log-ratio clamped to ``±max_log_ratio``),
+      not capped, differentiable through ``logp``.
+    - ``bernoulli``: ``c = p(1-p) / (p_old(1-p_old))`` with p, 1-p clamped to
+      ``[prob_eps, 1-prob_eps]``, capped at ``c_max``; detached.
+    - ``categorical``: ``c = (1 - sum_p2) / (1 - sum_p2_old)`` from ``TokenStats.sum_p2`` of the
+      current and old policy, both variances clamped to ``>= prob_eps``, capped at ``c_max``;
+      detached.
+
+    ``c == 1`` exactly when the two inputs are equal (same computation on both sides).
+    """
+    if mode not in RATIO_MODES:
+        raise ValueError(f"token ratio mode must be one of {RATIO_MODES}, got {mode!r}")
+    if mode == "importance":
+        r = importance_ratio(logp, logp_old, max_log_ratio)
+        return TokenRatio(ratio=r, raw=r.detach())
+    if mode == "bernoulli":
+        raw = bernoulli_variance(logp, prob_eps) / bernoulli_variance(logp_old, prob_eps)
+    else:
+        if sum_p2 is None or sum_p2_old is None:
+            raise ValueError(
+                "token ratio mode 'categorical' needs sum_p2 and sum_p2_old (TokenStats.sum_p2 "
+                "of the current and the old policy); pass stats= and stats_old= to policy_loss"
+            )
+        raw = categorical_variance(sum_p2, prob_eps) / categorical_variance(sum_p2_old, prob_eps)
+    return TokenRatio(ratio=raw.clamp(max=c_max), raw=raw)
