@@ -84,6 +84,8 @@ def _ce_plus_entropy(logits, target, vocab, group):
     return loss + ent.sum()
 
 
+M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+
 MAX_CE_ENTROPY_LOGITS = 1 << 28
 """ce_plus_entropy keeps ~14x the bf16 logits alive: skipped above this many local logits."""
 
@@ -136,6 +138,9 @@ def _status_kib(field: str) -> int:
 
 
 def _memory_body(rank, world_size, n_tokens, vocab, method):
+    # Every allocation above 64 KiB gets its own mmap and goes back to the OS when freed, so
+    # resident memory is live memory (glibc's heap would otherwise keep freed chunks).
+    ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 1 << 16)
     group = _setup(world_size)
     logits, target = _inputs(n_tokens, vocab, world_size, rank)
     logits_bytes = logits.numel() * logits.element_size()
