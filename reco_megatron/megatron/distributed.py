@@ -1,0 +1,157 @@
+"""The parallel layout (TP, PP, CP, DP, virtual pipeline, sequence parallel) and its start-up.
+
+:class:`ParallelConfig` is the block users edit to scale: moving from an 8B to a 70B model
+changes it and the model block only. :func:`initialize_parallel` reads the torchrun
+environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``),
+initialises ``torch.distributed`` (nccl on GPU, gloo on CPU, where it also enables the CPU
+backend of megatron-core), validates the layout against the world size and the model, and
+initialises megatron's ``parallel_state``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from reco_megatron.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """How the model and the batch are split over ranks; DP is what is left of the world."""
+
+    tensor_model_parallel_size: int = 1
+    """TP: ranks one layer (and the vocabulary) is split over; keep within a node (NVLink)."""
+    pipeline_model_parallel_size: int = 1
+    """PP: pipeline stages the layers are split over."""
+    virtual_pipeline_model_parallel_size: int | None = None
+    """Interleaved pipeline: model chunks per stage (needs PP > 1); None disables."""
+    context_parallel_size: int = 1
+    """CP: ranks one sequence is split over (long contexts; GPU/transformer-engine only)."""
+    sequence_parallel: bool = False
+    """Shard LayerNorm/dropout activations over TP (GPU with transformer-engine only)."""
+    micro_batch_size: int = 1
+    """Sequences per micro-batch on one data-parallel rank."""
+    distributed_timeout_minutes: int = 30
+    """Timeout of collectives before a hung job fails."""
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                     "context_parallel_size", "micro_batch_size", "distributed_timeout_minutes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"parallel.{name} must be a positive integer, got {value!r}")
+        vp = self.virtual_pipeline_model_parallel_size
+        if vp is not None and (vp < 1 or self.pipeline_model_parallel_size == 1):
+            raise ValueError(
+                f"parallel.virtual_pipeline_model_parallel_size={vp} needs "
+                "pipeline_model_parallel_size > 1 and a value >= 1; set it to null otherwise"
+            )
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            raise ValueError(
+                "parallel.sequence_parallel=true needs tensor_model_parallel_size > 1 "
+                "(it shards activations over the TP group); set it to false"
+            )
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks holding one replica of the model: TP x PP x CP."""
+        return (
+            self.tensor_model_parallel_size
+            * self.pipeline_model_parallel_size
+            * self.context_parallel_size
+        )
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """DP for ``world_size`` ranks; raises with the fix when the layout does not fit."""
+        if world_size % self.model_parallel_size:
+            raise ValueError(
+                f"world size {world_size} is not divisible by TP x PP x CP = "
+                f"{self.tensor_model_parallel_size} x {self.pipeline_model_parallel_size} x "
+                f"{self.context_parallel_size} = {self.model_parallel_size}: change the number "
+                "of processes (nodes x GPUs per node) or the parallel block"
+            )
+        return world_size // self.model_parallel_size
+
+    def validate_for_model(self, model: object, num_layers: int, on_gpu: bool) -> None:
+        """Checks that need the model: heads and kv-heads over TP, layers over PP, CPU limits."""
+        check = getattr(model, "check_tensor_parallel", None)
+        if check is not None:
+            check(self.tensor_model_parallel_size)
+        chunks = self.pipeline_model_parallel_size * (self.virtual_pipeline_model_parallel_size or 1)
+        if num_layers % chunks:
+            raise ValueError(
+                f"num_layers={num_layers} is not divisible by PP x VP = {chunks}: choose a "
+                "pipeline size (and virtual pipeline size) that divides the layer count"
+            )
+        if not on_gpu and self.sequence_parallel:
+            raise ValueError(
+                "parallel.sequence_parallel=true is not supported on CPU (megatron's local "
+                "layer spec uses torch LayerNorm, which sequence parallelism cannot shard): "
+                "set parallel.sequence_parallel=false for CPU runs"
+            )
+        if not on_gpu and self.context_parallel_size > 1:
+            raise ValueError(
+                f"parallel.context_parallel_size={self.context_parallel_size} needs "
+                "transformer-engine attention on GPU; set it to 1 for CPU runs"
+            )
+
+
+def initialize_parallel(cfg: ParallelConfig, seed: int) -> str:
+    """Start ``torch.distributed`` from the torchrun environment and megatron's groups.
+
+    Without torchrun variables a single process (world size 1) is started, so
+    ``python -m reco_megatron.train`` works as is. Returns the backend (``nccl``/``gloo``).
+    Idempotent for an already initialised process group (tests start their own).
+    """
+    from megatron.core import parallel_state
+
+    from reco_megatron.megatron import compat
+    from reco_megatron.megatron.cpu_backend import enable_cpu_backend, model_parallel_seed
+
+    on_gpu = torch.cuda.is_available()
+    backend = "nccl" if on_gpu else "gloo"
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        rank = int(os.environ.get("RANK", "0"))
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        if on_gpu:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(
+            backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(minutes=cfg.distributed_timeout_minutes),
+        )
+    else:
+        backend = dist.get_backend()
+    world_size = dist.get_world_size()
+    dp = cfg.data_parallel_size(world_size)
+    if not on_gpu:
+        enable_cpu_backend()
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    compat.initialize_model_parallel(
+        tensor_model_parallel_size=cfg.tensor_model_parallel_size,
+        pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_model_parallel_size,
+        context_parallel_size=cfg.context_parallel_size,
+    )
+    model_parallel_seed(seed)
+    logger.info(
+        "parallel: world %d = TP %d x PP %d x CP %d x DP %d (%s)",
+        world_size,
+        cfg.tensor_model_parallel_size,
+        cfg.pipeline_model_parallel_size,
+        cfg.context_parallel_size,
+        dp,
+        backend,
+    )
+    return backend

@@ -1,0 +1,254 @@
+"""The ReCo training engine on megatron-core: old-policy pass, then mini-batch updates.
+
+One rollout batch (whole groups of G responses per DP rank) goes through:
+
+1. :meth:`ReCoEngine.prepare` -- a forward-only pass of the current weights over the whole
+   batch (the *old policy*: ``logp_old``, ``sum_p2_old``), the reference model's log-probs when
+   a KL term is used, and the ReCo response weights computed **per complete group** before the
+   batch is split into mini-/micro-batches.
+2. :meth:`ReCoEngine.train_on_rollout` -- ``epochs_per_rollout`` x ``minibatches_per_rollout``
+   optimizer steps. At the first step ``theta == theta_old`` so ReCo's token ratio is exactly 1;
+   from the second mini-batch on it acts (docs/loss.md).
+
+Pipeline parallelism: only the last stage computes statistics and losses, so ``old_logprobs``,
+weights and metrics live there; metrics are then broadcast to every rank of the model-parallel
+group so that global rank 0 can log them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from reco_megatron.algo import LossConfig, response_weights
+from reco_megatron.megatron.batch import RolloutBatch, micro_batches
+from reco_megatron.megatron.distributed import ParallelConfig
+from reco_megatron.megatron.engine_metrics import reduce_metrics
+from reco_megatron.megatron.loss_layer import (
+    LossContext,
+    make_forward_step,
+    policy_loss_func,
+    statistics_func,
+)
+from reco_megatron.megatron.model import ModelConfig, build_model, transformer_config
+from reco_megatron.megatron.optimizer import OptimConfig, build_optimizer, current_lr, wrap_ddp
+from reco_megatron.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+
+@dataclass(kw_only=True)
+class UpdateConfig:
+    """How one rollout batch is turned into optimizer steps."""
+
+    minibatches_per_rollout: int = 1
+    """Optimizer steps per pass over the rollout batch (>= 2 for ReCo's token ratio to act)."""
+    epochs_per_rollout: int = 1
+    """Passes over the rollout batch."""
+    stats_implementation: str = "auto"
+    """Statistics op kernels: ``auto`` (compiled on GPU), ``eager`` or ``compiled``."""
+
+    def __post_init__(self) -> None:
+        for name in ("minibatches_per_rollout", "epochs_per_rollout"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"update.{name} must be a positive integer, got {value!r}")
+        if self.stats_implementation not in ("auto", "eager", "compiled"):
+            raise ValueError(
+                "update.stats_implementation must be auto, eager or compiled, got "
+                f"{self.stats_implementation!r}"
+            )
+
+
+class ReCoEngine:
+    """Model chunks, DDP, distributed optimizer, scheduler and the ReCo update.
+
+    Must be constructed after :func:`reco_megatron.megatron.distributed.initialize_parallel`.
+    """
+
+    def __init__(
+        self,
+        model: ModelConfig,
+        parallel: ParallelConfig,
+        loss: LossConfig,
+        optim: OptimConfig,
+        update: UpdateConfig,
+        total_optimizer_steps: int,
+        seed: int = 1234,
+    ) -> None:
+        from megatron.core import parallel_state as ps
+
+        self.model_cfg, self.parallel, self.loss_cfg = model, parallel, loss
+        self.optim_cfg, self.update = optim, update
+        self.on_gpu = torch.cuda.is_available()
+        parallel.validate_for_model(model, model.num_layers, self.on_gpu)
+        self.config = transformer_config(model, parallel, self.on_gpu)
+        torch.manual_seed(seed)  # identical initial weights on every data-parallel replica
+        self.model = wrap_ddp(self._build_chunks(), self.config, optim)
+        self.optimizer, self.scheduler = build_optimizer(
+            self.model, self.config, optim, total_optimizer_steps
+        )
+        self.ref_model: list[Any] | None = None
+        if loss.kl_coef > 0:
+            self.ref_model = self._build_chunks()
+            self.sync_reference()
+        self.ctx = LossContext(
+            loss=loss,
+            vocab_size=model.vocab_size,
+            tp_group=ps.get_tensor_model_parallel_group(),
+            stats_implementation=update.stats_implementation,  # type: ignore[arg-type]
+        )
+        self.optimizer_steps = 0
+
+    # ------------------------------------------------------------------ construction
+    def _build_chunks(self) -> list[Any]:
+        from megatron.core import parallel_state as ps
+
+        vp = self.parallel.virtual_pipeline_model_parallel_size
+        chunks = []
+        for i in range(vp or 1):
+            kwargs = {} if vp is None else {"vp_stage": i}
+            chunks.append(
+                build_model(
+                    self.model_cfg,
+                    self.config,
+                    pre_process=ps.is_pipeline_first_stage(ignore_virtual=vp is None, **kwargs),
+                    post_process=ps.is_pipeline_last_stage(ignore_virtual=vp is None, **kwargs),
+                    on_gpu=self.on_gpu,
+                )
+            )
+        return chunks
+
+    def unwrapped(self) -> list[Any]:
+        """The GPTModel chunks inside DDP."""
+        return [chunk.module for chunk in self.model]
+
+    def sync_reference(self) -> None:
+        """Copy the current policy weights into the reference model (frozen, no grad)."""
+        if self.ref_model is None:
+            return
+        for ref, cur in zip(self.ref_model, self.unwrapped(), strict=True):
+            ref.load_state_dict(cur.state_dict(), strict=True)
+            ref.requires_grad_(False)
+            ref.eval()
+
+    @property
+    def is_last_stage(self) -> bool:
+        """Whether this rank computes the loss (last pipeline stage)."""
+        from megatron.core import parallel_state as ps
+
+        return ps.is_pipeline_last_stage(ignore_virtual=True)
+
+    # ------------------------------------------------------------------ schedules
+    def _run(self, model: list[Any], batch: RolloutBatch, loss_func: Any, forward_only: bool):
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        mbs = micro_batches(batch, self.parallel.micro_batch_size)
+        data: Any = iter(mbs)
+        if len(model) > 1:  # virtual pipeline: one iterator per chunk
+            data = [iter(mbs) for _ in model]
+        return get_forward_backward_func()(
+            forward_step_func=make_forward_step(loss_func, self.ctx),
+            data_iterator=data,
+            model=model,
+            num_microbatches=len(mbs),
+            seq_length=batch.seq_length,
+            micro_batch_size=self.parallel.micro_batch_size,
+            forward_only=forward_only,
+        )
+
+    def statistics(self, batch: RolloutBatch, reference: bool = False) -> dict[str, torch.Tensor]:
+        """Forward-only per-token ``logprob``, ``sum_p2``, ``entropy`` ``[B, S]`` (last stage;
+        ``{}`` elsewhere) of the current policy, or of the reference model."""
+        model = self.ref_model if reference else self.model
+        if model is None:
+            raise RuntimeError("no reference model: it exists only when loss.kl_coef > 0")
+        for chunk in model:
+            chunk.eval()
+        with torch.no_grad():
+            parts = self._run(model, batch, statistics_func, forward_only=True)
+        for chunk in self.model:
+            chunk.train()
+        if not self.is_last_stage:
+            return {}
+        return {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
+
+    def prepare(self, batch: RolloutBatch) -> tuple[RolloutBatch, dict[str, float]]:
+        """The old-policy pass, reference log-probs and response weights of a whole batch."""
+        metrics: dict[str, torch.Tensor] = {}
+        stats = self.statistics(batch)
+        if not stats:
+            return batch, {}
+        mask = batch.loss_mask
+        old = stats["logprob"]
+        ref = self.statistics(batch, reference=True)["logprob"] if self.ref_model else None
+        weights = response_weights(
+            old,
+            mask,
+            batch.group_size,
+            self.loss_cfg.response_weight,
+            response_ids=batch.labels if self.loss_cfg.response_weight == "empirical" else None,
+            w_min=self.loss_cfg.geometric_w_min,
+            w_max=self.loss_cfg.geometric_w_max,
+        )
+        n_tok = mask.sum()
+        metrics["num_response_tokens/sum"] = n_tok
+        metrics["old_entropy/wsum"] = (stats["entropy"] * mask).sum()
+        if batch.rollout_logprobs is not None:
+            diff = (batch.rollout_logprobs.to(old.dtype) - old).abs() * mask
+            metrics["logprob_mismatch/wsum"] = diff.sum()
+            metrics["logprob_mismatch_max/max"] = diff.max()
+        prepared = replace(
+            batch,
+            old_logprobs=old,
+            old_sum_p2=stats["sum_p2"],
+            ref_logprobs=ref,
+            weights=weights,
+        )
+        return prepared, reduce_metrics([metrics], weight_key="num_response_tokens/sum")
+
+    def train_step(self, minibatch: RolloutBatch) -> dict[str, float]:
+        """One optimizer step on ``minibatch`` (this DP rank's share), globally normalised."""
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        parts = self._run(self.model, minibatch, policy_loss_func, forward_only=False)
+        update_ok, grad_norm, _ = self.optimizer.step()
+        if update_ok:
+            self.scheduler.step(increment=1)
+        self.optimizer_steps += 1
+        metrics = reduce_metrics(parts if self.is_last_stage else [], weight_key="num_tokens/sum")
+        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        metrics["update_skipped"] = 0.0 if update_ok else 1.0
+        metrics["lr"] = current_lr(self.optimizer)
+        return metrics
+
+    def train_on_rollout(self, batch: RolloutBatch) -> list[dict[str, float]]:
+        """``epochs x minibatches`` optimizer steps over a prepared batch (whole groups)."""
+        n = self.update.minibatches_per_rollout
+        b = batch.num_sequences
+        if b % n:
+            raise ValueError(
+                f"{b} sequences per rank cannot be split into {n} mini-batches: make "
+                "update.minibatches_per_rollout divide prompts_per_step x group_size / DP"
+            )
+        size = b // n
+        out = []
+        for _ in range(self.update.epochs_per_rollout):
+            for i in range(n):
+                out.append(self.train_step(batch.select(slice(i * size, (i + 1) * size))))
+        return out
+
+    def broadcast_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Metrics of the last pipeline stage on every rank (for rank-0 logging)."""
+        from megatron.core import parallel_state as ps
+
+        if ps.get_pipeline_model_parallel_world_size() == 1:
+            return metrics
+        box = [metrics if self.is_last_stage else None]
+        group = ps.get_pipeline_model_parallel_group()
+        dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(), group=group)
+        return {**box[0], **{k: v for k, v in metrics.items() if k not in box[0]}}

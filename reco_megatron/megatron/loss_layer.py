@@ -1,0 +1,133 @@
+"""ReCo loss layers in megatron's ``forward_step`` / ``loss_func`` contract.
+
+``get_forward_backward_func()`` calls ``forward_step(data_iterator, model)`` once per
+micro-batch on every pipeline stage; on the last stage it then calls the returned
+``loss_func(output_tensor)``. What the schedule does with that return value is the whole
+story of the gradient's scale, so it is chosen here on purpose:
+
+* a **2-tuple** ``(loss, metrics)`` is divided *in place* by ``num_microbatches`` (and multiplied
+  by the CP size); DDP then averages gradients over data-parallel ranks. A loss that is already
+  the micro-batch's contribution to the global loss would come out scaled by 1/(M x DP), and a
+  detached copy logged from it would be off by M.
+* a **3-tuple** ``(loss, num_tokens, metrics)`` with ``TransformerConfig.calculate_per_token_loss
+  = True`` (what we use) is **not** divided: the schedule sums ``num_tokens`` over micro-batches,
+  DDP *sums* gradients over data-parallel ranks (scaling factor 1), and ``finalize_model_grads``
+  all-reduces the token count over DP x CP and divides every gradient by it.
+
+So :func:`policy_loss_func` returns the *numerator* of the globally normalised loss (the sum
+of per-token terms for ``token_mean``, the sum of per-sequence terms for the sequence
+aggregations: ``algo.policy_loss`` with global counts 1) and the local *denominator share*
+(response tokens, or sequences). Megatron then produces exactly the gradient of
+``sum(numerators) / sum(denominators)`` over all micro-batches and DP ranks: the
+single-process gradient of the globally normalised loss, whatever the split (tested in
+``tests/megatron/test_reco_step.py``). Both are integers, as the schedule accumulates the count
+in an int tensor.
+
+On pipeline stages other than the last, ``output_tensor`` is a hidden state and no loss
+function runs. On the last stage ``output_tensor`` is the vocabulary-sharded logits
+``[B, S, V/TP]`` (``parallel_output=True``), fed to :func:`vocab_parallel_stats` with the
+tensor-parallel group passed explicitly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+
+from reco_megatron.algo import LossConfig, TokenStats, policy_loss
+from reco_megatron.megatron.batch import RolloutBatch
+from reco_megatron.parallel import vocab_parallel_stats
+from reco_megatron.parallel.vocab_stats_kernels import Implementation
+
+
+@dataclass(frozen=True)
+class LossContext:
+    """What the loss functions need besides the micro-batch."""
+
+    loss: LossConfig
+    vocab_size: int
+    tp_group: Any
+    stats_implementation: Implementation = "auto"
+
+
+def denominator_share(mb: RolloutBatch, loss: LossConfig) -> torch.Tensor:
+    """This micro-batch's share of the global normaliser: response tokens or sequences."""
+    if loss.aggregation == "token_mean":
+        return mb.loss_mask.sum().to(torch.int)
+    return torch.tensor(mb.num_sequences, dtype=torch.int)
+
+
+def _stats(mb: RolloutBatch, ctx: LossContext, logits: torch.Tensor) -> TokenStats:
+    return vocab_parallel_stats(
+        logits,
+        mb.labels,
+        ctx.vocab_size,
+        tp_group=ctx.tp_group,
+        implementation=ctx.stats_implementation,
+    )
+
+
+def policy_loss_func(
+    mb: RolloutBatch, ctx: LossContext, logits: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Megatron 3-tuple ``(numerator, denominator share, metrics)`` of one micro-batch.
+
+    ``logits``: ``[B, S, V/TP]`` this rank's vocabulary shard.
+    """
+    if mb.old_logprobs is None:
+        raise RuntimeError("the old-policy pass must fill old_logprobs before training")
+    stats = _stats(mb, ctx, logits)
+    stats_old = None
+    if mb.old_sum_p2 is not None:
+        stats_old = TokenStats(mb.old_logprobs, torch.zeros_like(mb.old_logprobs), mb.old_sum_p2)
+    numerator, metrics = policy_loss(
+        stats.logprob,
+        mb.old_logprobs,
+        mb.advantages,
+        mb.loss_mask,
+        ctx.loss,
+        weights=mb.weights if ctx.loss.response_weight != "none" else None,
+        stats=stats,
+        stats_old=stats_old,
+        ref_logp=mb.ref_logprobs,
+        global_num_tokens=1.0,
+        global_num_seqs=1.0,
+    )
+    count = denominator_share(mb, ctx.loss)
+    metrics = dict(metrics)
+    metrics["loss_numerator/sum"] = numerator.detach().float()
+    metrics["loss_denominator/sum"] = count.float()
+    return numerator, count, metrics
+
+
+def statistics_func(
+    mb: RolloutBatch, ctx: LossContext, logits: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Forward-only: the per-token statistics of the current weights, ``[B, S]`` each."""
+    stats = _stats(mb, ctx, logits)
+    out = {"logprob": stats.logprob.detach(), "sum_p2": stats.sum_p2.detach(),
+           "entropy": stats.entropy.detach()}
+    return torch.zeros((), device=logits.device), torch.zeros((), dtype=torch.int), out
+
+
+def make_forward_step(
+    loss_func: Callable[..., Any], ctx: LossContext
+) -> Callable[[Iterator[RolloutBatch], Any], tuple[torch.Tensor, Callable[..., Any]]]:
+    """A ``forward_step_func`` for megatron's schedules running ``loss_func`` per micro-batch."""
+
+    def forward_step(data_iterator: Iterator[RolloutBatch], model: Any):
+        mb = next(data_iterator)
+        s = mb.seq_length
+        position_ids = torch.arange(s, device=mb.tokens.device).unsqueeze(0).expand(
+            mb.num_sequences, s
+        )
+        # Causal attention needs no mask tensor; right padding is after every real token and
+        # excluded by the loss mask.
+        output = model(mb.input_ids, position_ids, None)
+        return output, partial(loss_func, mb, ctx)
+
+    return forward_step

@@ -1,0 +1,222 @@
+"""Llama / Qwen2-family GPT models on megatron-core, from one small typed config.
+
+:class:`ModelConfig` holds what defines the architecture (the fields of a Hugging Face
+``config.json`` that matter); :func:`transformer_config` turns it plus the parallel layout
+into megatron's ``TransformerConfig`` (reused, not mirrored), and :func:`build_model` builds
+the ``GPTModel`` of this pipeline stage: RMSNorm, SwiGLU, RoPE with the family's base and
+Llama-3 scaling, grouped-query attention, QKV bias for Qwen2, tied or untied embeddings,
+vocabulary padded to a multiple of ``make_vocab_size_divisible_by * TP``. The output layer
+keeps ``parallel_output=True``: logits stay vocabulary-sharded, ``[B, S, V/TP]``, and the
+statistics op upcasts them chunk by chunk.
+
+On CPU the local (torch) layer spec is used; on GPU the transformer-engine spec when it
+imports, else the local one (logged).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+
+from reco_megatron.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+Family = Literal["llama", "qwen2"]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """Architecture of a Llama- or Qwen2-family decoder (names follow HF ``config.json``)."""
+
+    family: Family = "llama"
+    """``llama`` (no biases) or ``qwen2`` (bias on the QKV projection only)."""
+    num_layers: int = 2
+    """Transformer layers (HF ``num_hidden_layers``)."""
+    hidden_size: int = 64
+    """Model width."""
+    ffn_hidden_size: int = 176
+    """SwiGLU inner width (HF ``intermediate_size``)."""
+    num_attention_heads: int = 4
+    """Query heads; ``hidden_size`` must be divisible by it."""
+    num_query_groups: int | None = None
+    """Key/value heads for grouped-query attention (HF ``num_key_value_heads``); None = MHA."""
+    vocab_size: int = 128
+    """True vocabulary size (the tokenizer's); padded internally for tensor parallelism."""
+    max_position_embeddings: int = 512
+    """Longest sequence (prompt + response) the model is used with."""
+    rotary_base: float = 10000.0
+    """RoPE base (HF ``rope_theta``): 500000 for Llama 3, 10000 for Qwen2.5-Math."""
+    rope_scaling_factor: float | None = None
+    """Llama-3.1 RoPE scaling factor (8.0 for Llama-3.1); None disables scaling."""
+    norm_epsilon: float = 1e-5
+    """RMSNorm epsilon (HF ``rms_norm_eps``)."""
+    tie_word_embeddings: bool = False
+    """Share the input embedding and output layer (Qwen2.5-1.5B: true; Llama-3.1-8B: false)."""
+    make_vocab_size_divisible_by: int = 128
+    """Megatron pads the vocabulary to a multiple of this times TP (padded logits are ignored)."""
+    params_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype of the model (bf16 on GPU with fp32 main weights in the optimizer)."""
+    init_method_std: float = 0.02
+    """Std of the normal initialisation of new weights (overwritten when loading a checkpoint)."""
+
+    def __post_init__(self) -> None:
+        if self.family not in ("llama", "qwen2"):
+            raise ValueError(f"family must be 'llama' or 'qwen2', got {self.family!r}")
+        for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                     "vocab_size", "max_position_embeddings", "make_vocab_size_divisible_by"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
+                f"{self.num_attention_heads}: pick a head count that divides the width"
+            )
+        groups = self.query_groups
+        if groups < 1 or self.num_attention_heads % groups:
+            raise ValueError(
+                f"num_query_groups={self.num_query_groups} must divide num_attention_heads="
+                f"{self.num_attention_heads}"
+            )
+        if self.params_dtype not in DTYPES:
+            raise ValueError(f"params_dtype must be one of {list(DTYPES)}, got {self.params_dtype!r}")
+        if self.rope_scaling_factor is not None and self.rope_scaling_factor <= 0:
+            raise ValueError(f"rope_scaling_factor must be > 0 or null, got {self.rope_scaling_factor}")
+
+    @property
+    def query_groups(self) -> int:
+        """Number of key/value heads (``num_attention_heads`` without GQA)."""
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head."""
+        return self.hidden_size // self.num_attention_heads
+
+    def padded_vocab_size(self, tp: int) -> int:
+        """Megatron's padded vocabulary: a multiple of ``make_vocab_size_divisible_by * tp``."""
+        step = self.make_vocab_size_divisible_by * tp
+        return int(math.ceil(self.vocab_size / step) * step)
+
+    def check_tensor_parallel(self, tp: int) -> None:
+        """Raise with what to change when the heads cannot be split over ``tp`` ranks."""
+        if self.num_attention_heads % tp:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not divisible by "
+                f"tensor_model_parallel_size={tp}: use a TP size that divides the head count"
+            )
+        if self.query_groups % tp:
+            raise ValueError(
+                f"num_query_groups={self.query_groups} (key/value heads) is not divisible by "
+                f"tensor_model_parallel_size={tp}: use TP <= {self.query_groups} dividing it"
+            )
+
+
+def transformer_config(model: ModelConfig, parallel: Any, on_gpu: bool) -> Any:
+    """Megatron ``TransformerConfig`` for ``model`` under the parallel layout ``parallel``.
+
+    ``parallel`` is a :class:`reco_megatron.megatron.parallel.ParallelConfig`. The loss
+    contract is per-token (``calculate_per_token_loss=True``): see
+    :mod:`reco_megatron.megatron.loss_layer`.
+    """
+    from megatron.core.transformer import TransformerConfig
+
+    model.check_tensor_parallel(parallel.tensor_model_parallel_size)
+    dtype = DTYPES[model.params_dtype]
+    return TransformerConfig(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        ffn_hidden_size=model.ffn_hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.query_groups,
+        kv_channels=model.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=model.norm_epsilon,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=model.family == "qwen2",
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=model.init_method_std,
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        context_parallel_size=parallel.context_parallel_size,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+        sequence_parallel=parallel.sequence_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=not on_gpu,
+        calculate_per_token_loss=True,
+        # Fusions need CUDA kernels; on GPU megatron picks them from the TE spec.
+        bias_activation_fusion=on_gpu,
+        bias_dropout_fusion=on_gpu,
+        masked_softmax_fusion=on_gpu,
+        gradient_accumulation_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=on_gpu,
+    )
+
+
+def _layer_spec(model: ModelConfig, on_gpu: bool) -> Any:
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    if on_gpu:
+        try:
+            import transformer_engine  # noqa: F401
+
+            return specs.get_gpt_layer_with_transformer_engine_spec()
+        except ImportError:
+            logger.warning(
+                "transformer-engine is not importable: using megatron's local layer spec "
+                "(slower on GPU; install the 'gpu' extra or use an NGC container)"
+            )
+    return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+def build_model(
+    model: ModelConfig,
+    config: Any,
+    *,
+    pre_process: bool,
+    post_process: bool,
+    on_gpu: bool,
+) -> Any:
+    """The ``GPTModel`` of one pipeline stage (or virtual-pipeline chunk).
+
+    Args:
+        model: the architecture.
+        config: the ``TransformerConfig`` from :func:`transformer_config`.
+        pre_process / post_process: whether this chunk holds the embedding / the output layer.
+        on_gpu: pick the transformer-engine spec and CUDA placement.
+    """
+    from reco_megatron.megatron.compat import build_gpt_model
+
+    tp = config.tensor_model_parallel_size
+    kwargs: dict[str, Any] = {}
+    if model.rope_scaling_factor is not None:
+        kwargs.update(rope_scaling=True, rope_scaling_factor=model.rope_scaling_factor)
+    gpt = build_gpt_model(
+        config=config,
+        transformer_layer_spec=_layer_spec(model, on_gpu),
+        vocab_size=model.padded_vocab_size(tp),
+        max_sequence_length=model.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=model.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(model.rotary_base),
+        **kwargs,
+    )
+    if on_gpu:
+        gpt.cuda(torch.cuda.current_device())
+    return gpt

@@ -1,0 +1,190 @@
+"""Shared pieces of the ReCo engine tests: a tiny Llama-style model, a rollout batch, and
+helpers to move full (TP=1, PP=1) weights in and out of any parallel layout.
+
+Parallel runs get *copies* of one reference set of weights, so a comparison fails only when
+the parallel computation differs. The model uses every architectural feature the engine
+supports on CPU: RMSNorm, SwiGLU (its fused ``[gate; up]`` weight is sharded per half),
+grouped-query attention (2 kv heads for 4 query heads), RoPE, untied embeddings, and a
+vocabulary of 100 padded to 128 at TP 1 and 2 (``make_vocab_size_divisible_by=32``), so the
+padded shapes agree between layouts and padded columns must be excluded by the loss.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from reco_megatron.algo import LossConfig
+from reco_megatron.megatron.batch import RolloutBatch, data_parallel_share
+from reco_megatron.megatron.distributed import ParallelConfig, initialize_parallel
+from reco_megatron.megatron.engine import ReCoEngine, UpdateConfig
+from reco_megatron.megatron.model import ModelConfig
+from reco_megatron.megatron.optimizer import OptimConfig
+
+VOCAB, LENGTH, GROUP, GROUPS = 100, 14, 4, 4  # 16 sequences of 14 tokens
+
+
+def model_config(family: str = "llama", **overrides: Any) -> ModelConfig:
+    kwargs: dict[str, Any] = dict(
+        family=family,
+        num_layers=2,
+        hidden_size=32,
+        ffn_hidden_size=48,
+        num_attention_heads=4,
+        num_query_groups=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=32,
+        make_vocab_size_divisible_by=32,
+        rotary_base=10000.0,
+    )
+    kwargs.update(overrides)
+    return ModelConfig(**kwargs)
+
+
+def rollout_batch(seed: int = 3, groups: int = GROUPS) -> RolloutBatch:
+    """Prompts of 3-5 tokens, responses of varying length, right padding, random advantages.
+
+    Responses inside a group repeat (rows 0 and 1 of each group are identical) so that the
+    empirical weights differ from 1.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    b = groups * GROUP
+    tokens = torch.randint(0, VOCAB, (b, LENGTH), generator=gen)
+    mask = torch.zeros(b, LENGTH)
+    for i in range(b):
+        start = 3 + i % 3
+        end = LENGTH - (i % 4)
+        mask[i, start:end] = 1.0
+        tokens[i, end:] = 0  # padding id
+    tokens[1::GROUP] = tokens[0::GROUP]
+    mask[1::GROUP] = mask[0::GROUP]
+    advantages = torch.randn(b, generator=gen)
+    rollout_logprobs = -torch.rand(b, LENGTH - 1, generator=gen)
+    return RolloutBatch(
+        tokens=tokens,
+        response_mask=mask,
+        advantages=advantages,
+        group_size=GROUP,
+        rollout_logprobs=rollout_logprobs,
+    )
+
+
+def dp_share(batch: RolloutBatch, minibatches: int = 2) -> RolloutBatch:
+    """This data-parallel rank's share, DP-invariant (``batch.data_parallel_share``)."""
+    from megatron.core import parallel_state as ps
+
+    return data_parallel_share(
+        batch, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), minibatches
+    )
+
+
+def build_engine(
+    tp: int = 1,
+    pp: int = 1,
+    micro_batch_size: int = 2,
+    loss: LossConfig | None = None,
+    minibatches: int = 2,
+    lr: float = 1e-2,
+    model: ModelConfig | None = None,
+    adam_eps: float = 1e-3,
+) -> ReCoEngine:
+    """An engine for the tiny model. ``adam_eps`` is large on purpose: Adam's first step is
+    ``lr * g / (|g| + eps)``, which turns a 1e-9 fp32 reduction-order difference of a gradient
+    near 0 into a difference of up to ``2 lr`` (a sign flip); with eps = 1e-3 the update is
+    Lipschitz in ``g`` with constant ``lr / eps`` and layouts can be compared tightly."""
+    parallel = ParallelConfig(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        micro_batch_size=micro_batch_size,
+    )
+    initialize_parallel(parallel, seed=1234)
+    return ReCoEngine(
+        model or model_config(),
+        parallel,
+        loss or LossConfig.preset("reco", kl_coef=0.0),
+        OptimConfig(lr=lr, weight_decay=0.0, clip_grad=0.0, adam_eps=adam_eps),
+        UpdateConfig(minibatches_per_rollout=minibatches, stats_implementation="eager"),
+        total_optimizer_steps=10,
+    )
+
+
+# ---------------------------------------------------------------- full <-> sharded weights
+def _layer_offset(num_layers: int) -> int:
+    from megatron.core import parallel_state as ps
+
+    pp = ps.get_pipeline_model_parallel_world_size()
+    return ps.get_pipeline_model_parallel_rank() * (num_layers // pp)
+
+
+def global_name(name: str, num_layers: int) -> str:
+    """Single-stage name of a parameter: strip DDP's ``module.``, shift the layer index."""
+    name = name.removeprefix("module.")
+    offset = _layer_offset(num_layers)
+    return re.sub(r"layers\.(\d+)\.", lambda m: f"layers.{int(m.group(1)) + offset}.", name)
+
+
+def _is_gated(name: str) -> bool:
+    return name.endswith("mlp.linear_fc1.weight")
+
+
+def _shard(full: torch.Tensor, param: torch.Tensor, name: str) -> torch.Tensor:
+    from megatron.core import parallel_state as ps
+
+    if not getattr(param, "tensor_model_parallel", False):
+        return full
+    tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    if _is_gated(name):  # [gate; up]: each rank holds [gate_r; up_r]
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(tp)[rank], up.chunk(tp)[rank]])
+    return full.chunk(tp, dim=param.partition_dim)[rank]
+
+
+def _gather(tensor: torch.Tensor, param: torch.Tensor, name: str) -> torch.Tensor:
+    from megatron.core import parallel_state as ps
+
+    if not getattr(param, "tensor_model_parallel", False):
+        return tensor.detach().clone()
+    group = ps.get_tensor_model_parallel_group()
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.detach().contiguous(), group=group)
+    if _is_gated(name):
+        halves = [p.chunk(2, dim=0) for p in parts]
+        return torch.cat([torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])])
+    return torch.cat(parts, dim=param.partition_dim)
+
+
+def load_full(engine: ReCoEngine, full: dict[str, torch.Tensor]) -> None:
+    """Copy full reference weights into this rank's shards (and the optimizer's fp32 copy)."""
+    n = engine.model_cfg.num_layers
+    with torch.no_grad():
+        for chunk in engine.unwrapped():
+            for name, param in chunk.named_parameters():
+                param.copy_(_shard(full[global_name(name, n)], param, name))
+    engine.optimizer.reload_model_params()
+    engine.sync_reference()
+
+
+def full_params(engine: ReCoEngine) -> dict[str, torch.Tensor]:
+    """This stage's parameters, TP-gathered, under single-stage names."""
+    n = engine.model_cfg.num_layers
+    out = {}
+    for chunk in engine.unwrapped():
+        for name, param in chunk.named_parameters():
+            out[global_name(name, n)] = _gather(param, param, name)
+    return out
+
+
+def gather_stages(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Union of every pipeline stage's parameters (a collective over the PP group)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return params
+    box: list[Any] = [None] * ps.get_pipeline_model_parallel_world_size()
+    dist.all_gather_object(box, params, group=ps.get_pipeline_model_parallel_group())
+    merged: dict[str, torch.Tensor] = {}
+    for part in box:
+        merged.update(part)
+    return merged
