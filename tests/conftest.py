@@ -4,8 +4,8 @@ import os
 
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 
 @pytest.fixture(autouse=True)

@@ -69,9 +69,7 @@ def _worker(
     env: dict[str, str],
 ) -> None:
     os.environ.update(env)
-    os.environ.update(
-        {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)}
-    )
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)})
     try:
         import torch
         import torch.distributed as dist
@@ -117,8 +115,16 @@ def run_distributed(
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, world_size, init_file, fn, tuple(args), dict(kwargs or {}), results,
-                      dict(env or {})),
+                args=(
+                    r,
+                    world_size,
+                    init_file,
+                    fn,
+                    tuple(args),
+                    dict(kwargs or {}),
+                    results,
+                    dict(env or {}),
+                ),
                 daemon=True,
             )
             for r in range(world_size)
@@ -140,7 +146,8 @@ def run_distributed(
                     rank, status, payload = results.get(timeout=min(remaining, 1.0))
                 except queue.Empty:
                     dead = [
-                        r for r, p in enumerate(procs)
+                        r
+                        for r, p in enumerate(procs)
                         if r not in outputs and p.exitcode is not None
                     ]
                     if dead:

@@ -44,7 +44,9 @@ def _configure() -> None:
     root = logging.getLogger(_ROOT)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(
-        logging.Formatter("[%(asctime)s rank%(rank)s %(levelname)s %(name)s] %(message)s", "%H:%M:%S")
+        logging.Formatter(
+            "[%(asctime)s rank%(rank)s %(levelname)s %(name)s] %(message)s", "%H:%M:%S"
+        )
     )
     handler.addFilter(_RankFilter())
     root.addHandler(handler)
