@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import tempfile
 import time
@@ -79,7 +80,10 @@ def _worker(
             "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
         )
         out = fn(rank, world_size, *args, **kwargs)
-        results.put((rank, "ok", out))
+        # Plain pickle, not the queue's ForkingPickler: torch registers reductions there that
+        # move tensors through shared memory owned by this process, which is gone (and the
+        # parent fails with FileNotFoundError) by the time the parent unpickles.
+        results.put((rank, "ok", pickle.dumps(out)))
     except BaseException:  # report everything, including SystemExit from a test body
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -165,7 +169,7 @@ def run_distributed(
                     raise DistributedRunError(
                         f"rank {rank} of {world_size} failed in {fn.__qualname__}:\n{payload}"
                     )
-                outputs[rank] = payload
+                outputs[rank] = pickle.loads(payload)
         finally:
             for p in procs:
                 if p.is_alive():
