@@ -96,6 +96,12 @@ _PROXIED_MODULES: dict[str, str] = {
     "megatron.core.optimizer.distrib_optimizer": "shard buffers on torch.cuda.current_device()",
     "megatron.core.dist_checkpointing.exchange_utils": "loaded shards exchanged via "
     "torch.empty_like(..., device='cuda')",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver": "save finalisation "
+    "all-reduces a failure flag created on torch.cuda.current_device()",
+    "megatron.core.dist_checkpointing.strategies.fully_parallel": "fully-parallel save/load "
+    "exchange buffers on torch.cuda.current_device()",
+    "megatron.core.dist_checkpointing.strategies.async_utils": "async-save liveness checks "
+    "on torch.cuda.current_device(); torch.cuda.synchronize()",
     "megatron.core.dist_checkpointing.strategies.filesystem_async": "torch.cuda.synchronize() "
     "before writing",
 }
@@ -196,19 +202,26 @@ def _cuda_float_type_names() -> Iterator[None]:
         torch.Tensor.type = original  # type: ignore[method-assign]
 
 
-def _patch_distrib_optimizer() -> None:
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    original = DistributedOptimizer.__dict__["_build_model_and_main_param_groups"]
-    inner = original.__func__ if isinstance(original, staticmethod) else original
-
-    @functools.wraps(inner)
-    def build(*args: Any, **kwargs: Any) -> Any:
+def _under_cuda_type_names(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
         with _cuda_float_type_names():
-            return inner(*args, **kwargs)
+            return fn(*args, **kwargs)
 
-    wrapped = staticmethod(build) if isinstance(original, staticmethod) else build
-    DistributedOptimizer._build_model_and_main_param_groups = wrapped  # type: ignore[method-assign]
+    return call
+
+
+def _patch_type_checks() -> None:
+    """Run the functions that assert ``.type() == 'torch.cuda.FloatTensor'`` under the alias."""
+    from megatron.core.optimizer import clip_grads, distrib_optimizer
+    from megatron.core.optimizer import optimizer as moptimizer
+
+    cls = distrib_optimizer.DistributedOptimizer
+    original = cls.__dict__["_build_model_and_main_param_groups"]
+    wrapper_type = type(original) if isinstance(original, staticmethod | classmethod) else None
+    inner = original.__func__ if wrapper_type else original
+    build = _under_cuda_type_names(inner)
+    cls._build_model_and_main_param_groups = wrapper_type(build) if wrapper_type else build
     _patches.append(
         Patch(
             f"{_DISTRIB_OPTIMIZER}._build_model_and_main_param_groups",
@@ -216,6 +229,17 @@ def _patch_distrib_optimizer() -> None:
             "type name during this call only",
         )
     )
+    clip = _under_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)
+    for module in (clip_grads, moptimizer):  # optimizer.py imported the name at import time
+        if getattr(module, "clip_grad_by_total_norm_fp32", None) is not None:
+            module.clip_grad_by_total_norm_fp32 = clip
+            _patches.append(
+                Patch(
+                    f"{module.__name__}.clip_grad_by_total_norm_fp32",
+                    "gradient clipping asserts grad.type() == 'torch.cuda.FloatTensor'; CPU "
+                    "tensors report their CUDA type name during this call only",
+                )
+            )
 
 
 def _proxy_modules() -> None:
@@ -246,7 +270,7 @@ def enable_cpu_backend(force: bool = False) -> bool:
         logger.info("CUDA is available: megatron-core runs on GPU, CPU backend not enabled")
         return False
     _proxy_modules()
-    _patch_distrib_optimizer()
+    _patch_type_checks()
     install_cpu_rng_tracker()
     _patches.append(
         Patch(

@@ -129,7 +129,10 @@ def run_distributed(
                     results,
                     dict(env or {}),
                 ),
-                daemon=True,
+                # Not daemonic: megatron's dist_checkpointing save starts a multiprocessing
+                # Manager inside the rank, which daemonic processes may not do. Ranks are
+                # still killed in the ``finally`` below if they outlive the run.
+                daemon=False,
             )
             for r in range(world_size)
         ]

@@ -103,7 +103,8 @@ def split_batch(batch: dict[str, torch.Tensor], parts: int) -> list[dict[str, to
 def _loss_func(loss_mask: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor, dict]:
     """Token-mean loss of one micro-batch; megatron's schedule divides by num_microbatches."""
     loss = (output.float() * loss_mask).sum() / loss_mask.sum()
-    return loss, {"lm loss": loss.detach()}
+    # clone: the schedule divides the returned loss in place by num_microbatches.
+    return loss, {"lm loss": loss.detach().clone()}
 
 
 def forward_step(data_iterator: Iterator[dict], model: Any) -> tuple[torch.Tensor, Any]:
