@@ -345,10 +345,10 @@ def validate_cpu_config(config: Any) -> None:
     problems = []
     if getattr(config, "sequence_parallel", False):
         problems.append(
-            "sequence_parallel=True: the CPU layer spec (get_gpt_layer_local_spec, torch "
-            "LayerNorm) does not mark LayerNorm weights for the sequence-parallel gradient "
-            "all-reduce and needs Transformer Engine / Apex kernels; set sequence_parallel=False "
-            "on CPU (keep it for GPU runs with the Transformer Engine spec)"
+            "sequence_parallel=True: not supported with the CPU layer spec "
+            "(get_gpt_layer_local_spec, torch LayerNorm), where megatron-core fails to run it; "
+            "set sequence_parallel=False on CPU (keep it for GPU runs with the Transformer "
+            "Engine spec)"
         )
     if getattr(config, "fp16", False):
         problems.append(
