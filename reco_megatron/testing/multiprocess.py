@@ -80,8 +80,9 @@ def _worker(
             "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
         )
         out = fn(rank, world_size, *args, **kwargs)
-        # Plain pickle bytes: torch's queue reductions would share tensors through file
-        # descriptors that die with this process.
+        # Plain pickle, not the queue's ForkingPickler: torch registers reductions there that
+        # move tensors through shared memory owned by this process, which is gone (and the
+        # parent fails with FileNotFoundError) by the time the parent unpickles.
         results.put((rank, "ok", pickle.dumps(out)))
     except BaseException:  # report everything, including SystemExit from a test body
         results.put((rank, "error", traceback.format_exc()))
@@ -128,7 +129,10 @@ def run_distributed(
                     results,
                     dict(env or {}),
                 ),
-                daemon=True,
+                # Not daemonic: megatron's dist_checkpointing save starts a multiprocessing
+                # Manager inside the rank, which daemonic processes may not do. Ranks are
+                # still killed in the ``finally`` below if they outlive the run.
+                daemon=False,
             )
             for r in range(world_size)
         ]
