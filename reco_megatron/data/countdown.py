@@ -59,9 +59,7 @@ def parse_gold(gold: str) -> tuple[int, tuple[int, ...]]:
     """Inverse of :attr:`Problem.gold`; ValueError quoting ``gold`` if malformed."""
     match = _GOLD_RE.fullmatch(gold.strip()) if isinstance(gold, str) else None
     if match is None:
-        raise ValueError(
-            f"countdown gold must look like 'target=24 numbers=3,5,7,9', got {gold!r}"
-        )
+        raise ValueError(f"countdown gold must look like 'target=24 numbers=3,5,7,9', got {gold!r}")
     return int(match.group(1)), tuple(int(x) for x in match.group(2).split(","))
 
 
