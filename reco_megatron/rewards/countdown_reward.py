@@ -1,0 +1,69 @@
+"""Reward for the synthetic countdown task (:mod:`reco_megatron.data.countdown`).
+
+The response's final expression is taken from, in order: the last ``Answer: ...`` line, the
+last ``\\boxed{...}``, else the last line made only of digits, ``+ - *``, parentheses and
+spaces. A trailing ``= T`` is dropped. The expression is parsed by the safe recursive-descent
+parser of :mod:`reco_megatron.data.arith` (no ``eval``); it scores 1.0 when it equals the
+target and uses each given number at most once, else 0.0.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+from reco_megatron.data.arith import ArithmeticParseError, parse_arithmetic
+from reco_megatron.data.countdown import parse_gold
+from reco_megatron.rewards.extract import last_boxed
+from reco_megatron.rewards.types import NO_ANSWER, OK, PARSE_FAILURE, RewardResult
+
+MAX_RESPONSE_CHARS = 4096
+_ANSWER_RE = re.compile(r"answer\s*:\s*(.*)", re.IGNORECASE)
+_EXPR_LINE_RE = re.compile(r"[\d\s+\-*()]+(?:=\s*-?\d+)?")
+_TRAILING_EQ_RE = re.compile(r"\s*=\s*-?\d+\s*$")
+
+
+def extract_expression(response: str) -> str | None:
+    """The final expression of a countdown response (see module docstring), else None."""
+    text = response[-MAX_RESPONSE_CHARS:]
+    lines = text.splitlines()
+    candidate = None
+    for line in reversed(lines):
+        match = _ANSWER_RE.search(line)
+        if match and match.group(1).strip():
+            candidate = match.group(1)
+            break
+    if candidate is None:
+        candidate = last_boxed(text)
+    if candidate is None:
+        for line in reversed(lines):
+            if line.strip() and _EXPR_LINE_RE.fullmatch(line.strip()):
+                candidate = line
+                break
+    if candidate is None:
+        return None
+    candidate = candidate.strip().strip("$`*. ").strip()
+    return _TRAILING_EQ_RE.sub("", candidate) or None
+
+
+def countdown_reward_result(response: str, gold: str) -> RewardResult:
+    """:func:`countdown_reward` with its status. ``gold``: ``"target=24 numbers=3,5,7,9"``."""
+    target, numbers = parse_gold(gold)  # a bad gold is a data bug: raise, quoting it
+    if not isinstance(response, str):
+        return RewardResult(0.0, PARSE_FAILURE)
+    expression = extract_expression(response)
+    if expression is None:
+        return RewardResult(0.0, NO_ANSWER)
+    try:
+        parsed = parse_arithmetic(expression)
+    except ArithmeticParseError:
+        return RewardResult(0.0, PARSE_FAILURE)
+    available = Counter(numbers)
+    used = Counter(parsed.literals)
+    fair = all(used[x] <= available[x] for x in used)
+    return RewardResult(1.0 if fair and parsed.value == target else 0.0, OK)
+
+
+def countdown_reward(response: str, gold: str) -> float:
+    """1.0 if the response's final expression uses the numbers fairly and equals the target."""
+    return countdown_reward_result(response, gold).score

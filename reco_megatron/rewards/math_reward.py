@@ -1,0 +1,85 @@
+"""Math answer reward on top of ``math_verify`` (``parse`` / ``verify``), never ``eval``.
+
+``math_reward(response, gold)`` is 1.0 when the response's final answer (see
+:mod:`reco_megatron.rewards.extract`) is mathematically equivalent to ``gold`` (``1/2`` ==
+``0.5`` == ``\\frac{1}{2}``), else 0.0. Garbage, empty or unparseable input gives 0.0.
+
+``math_verify`` parses LaTeX with sympy, which can be slow or hang on adversarial input. Its
+own ``signal.alarm`` timeouts are used when called from a main thread; the hard guarantee
+(kill and replace a hung process) is :class:`~reco_megatron.rewards.pool.RewardPool`'s.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from reco_megatron.rewards.extract import extract_final_answer, last_number
+from reco_megatron.rewards.types import NO_ANSWER, OK, PARSE_FAILURE, RewardResult
+
+MAX_RESPONSE_CHARS = 8192
+"""Only the last this-many characters of a response are searched (the answer is at the end)."""
+MAX_ANSWER_CHARS = 512
+"""A longer extracted answer is treated as a parse failure rather than handed to sympy."""
+PARSE_TIMEOUT_S = 3
+"""math_verify's own (signal-based, whole seconds) timeout for parse and verify."""
+
+
+def _alarm_timeout() -> int | None:
+    """math_verify's signal timeout only works in the main thread; None elsewhere."""
+    return PARSE_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+
+
+def _parse(text: str) -> list:
+    """math_verify parse of a bare LaTeX/plain expression, wrapped in ``$..$`` first."""
+    from math_verify import parse
+
+    timeout = _alarm_timeout()
+    if "$" not in text and "\\boxed" not in text:
+        parsed = parse(f"${text}$", parsing_timeout=timeout)
+        if parsed:
+            return parsed
+    return parse(text, parsing_timeout=timeout)
+
+
+def _compact(text: str) -> str:
+    return "".join(text.split()).strip("$")
+
+
+def math_reward_result(response: str, gold: str) -> RewardResult:
+    """:func:`math_reward` with the reason for the score (``ok`` / ``no_answer`` / ...).
+
+    Args:
+        response: model output, any string (only the last ``MAX_RESPONSE_CHARS`` are read).
+        gold: reference answer, LaTeX or plain (``"\\frac{1}{2}"``, ``"0.5"``, ``"x+1"``).
+    """
+    from math_verify import verify
+
+    if not isinstance(response, str) or not isinstance(gold, str):
+        return RewardResult(0.0, PARSE_FAILURE)
+    answer = extract_final_answer(response[-MAX_RESPONSE_CHARS:])
+    if answer is None:
+        return RewardResult(0.0, NO_ANSWER)
+    if len(answer) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
+        return RewardResult(0.0, PARSE_FAILURE)
+    try:
+        gold_parsed = _parse(gold)
+        pred_parsed = _parse(answer)
+        if not pred_parsed:
+            # "the answer is 42 apples": fall back to the number inside the phrase.
+            number = last_number(answer)
+            pred_parsed = _parse(number) if number is not None else []
+        if not gold_parsed or not pred_parsed:
+            # Unparseable gold: only a literal match counts.
+            equal = _compact(answer) == _compact(gold) != ""
+            return RewardResult(1.0 if equal else 0.0, OK if equal else PARSE_FAILURE)
+        matched = verify(gold_parsed, pred_parsed, timeout_seconds=_alarm_timeout())
+    except MemoryError:
+        raise  # the pool counts it and replaces the worker
+    except Exception:  # sympy/antlr raise anything; the contract is "0.0, never crash"
+        return RewardResult(0.0, PARSE_FAILURE)
+    return RewardResult(1.0 if matched else 0.0, OK)
+
+
+def math_reward(response: str, gold: str) -> float:
+    """1.0 if the final answer of ``response`` equals ``gold`` mathematically, else 0.0."""
+    return math_reward_result(response, gold).score

@@ -1,0 +1,336 @@
+"""Score (response, gold) pairs in isolated worker processes: timeout, memory cap, no crash.
+
+Each worker is a fresh interpreter (``python -m reco_megatron.rewards._worker``: not forked
+from the trainer, whose torch threads and GPU state must not be copied, and not
+multiprocessing's ``spawn``, which re-imports the caller's ``__main__``) that caps its
+address space with ``RLIMIT_AS`` and imports the reward function once. The parent hands one
+item at a time to each worker and watches the clock: an item past ``timeout_s`` gets its
+worker SIGKILLed and replaced, and scores 0.0; a worker that dies scores 0.0 and is
+replaced; a MemoryError scores 0.0. Responses are cut to their last ``max_response_chars``
+characters before they are sent. The caller always gets one finite score per item and
+counts of what went wrong::
+
+    with RewardPool(RewardPoolConfig(reward="math", num_workers=4)) as pool:
+        batch = pool.score(responses, golds)      # batch.scores: list[float], len == B
+        log_metrics(batch.metrics)                # {"reward/timeouts/sum": 0.0, ...}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter, deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import reco_megatron
+from reco_megatron.rewards import types as st
+from reco_megatron.rewards.registry import RewardSpecError, resolve_reward
+from reco_megatron.utils.logging import get_logger
+
+log = get_logger(__name__)
+
+
+@dataclass(kw_only=True)
+class RewardPoolConfig:
+    """Configuration of :class:`RewardPool`."""
+
+    reward: str = "math"
+    """Built-in name (``math``, ``countdown``) or ``"module:function"`` import path."""
+    num_workers: int = 2
+    """Worker processes; each scores one item at a time."""
+    timeout_s: float = 10.0
+    """Per-item wall-clock limit; past it the worker is killed and the item scores 0.0."""
+    memory_limit_mb: int | None = 4096
+    """RLIMIT_AS of each worker in MiB (address space, not RSS); None for no limit."""
+    max_response_chars: int = 16384
+    """Responses are cut to their last this-many characters before scoring."""
+    max_gold_chars: int = 4096
+    """Longer gold answers are cut likewise (they come from data, so a warning is logged)."""
+    start_timeout_s: float = 60.0
+    """How long a new worker may take to import the reward function."""
+    self_check: bool = True
+    """Score ``("", "")`` at start-up and raise if the function returns a non-number."""
+
+    def __post_init__(self) -> None:
+        checks = {
+            "num_workers": self.num_workers >= 1,
+            "timeout_s": self.timeout_s > 0,
+            "max_response_chars": self.max_response_chars >= 1,
+            "max_gold_chars": self.max_gold_chars >= 1,
+            "start_timeout_s": self.start_timeout_s > 0,
+            "memory_limit_mb": self.memory_limit_mb is None or self.memory_limit_mb >= 64,
+        }
+        for name, ok in checks.items():
+            if not ok:
+                raise ValueError(
+                    f"RewardPoolConfig.{name}={getattr(self, name)!r} is out of range: counts "
+                    "and limits must be positive (memory_limit_mb >= 64 or None)"
+                )
+
+
+@dataclass
+class RewardBatch:
+    """Scores of one batch. ``scores``/``statuses``: ``[B]``; ``metrics``: floats by key."""
+
+    scores: list[float]
+    statuses: list[str]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class _Worker:
+    proc: subprocess.Popen
+    conn: Connection
+    ready: bool = False
+    started: float = 0.0
+    item: int | None = None
+    item_started: float = 0.0
+
+
+class RewardPool:
+    """A pool of reward worker processes; use as a context manager or call :meth:`close`."""
+
+    def __init__(self, config: RewardPoolConfig | None = None) -> None:
+        self.config = config or RewardPoolConfig()
+        resolve_reward(self.config.reward)  # fail fast, in the caller, with a clear message
+        self._workers: list[_Worker] = []
+        self.restarts = 0
+        try:
+            self._workers = [self._start_worker() for _ in range(self.config.num_workers)]
+            self._wait_ready()
+            if self.config.self_check:
+                self._self_check()
+        except BaseException:
+            self.close()
+            raise
+
+    # -- worker lifecycle ---------------------------------------------------------------
+    def _start_worker(self) -> _Worker:
+        parent_sock, child_sock = socket.socketpair()
+        env = dict(os.environ)
+        package_root = os.path.dirname(os.path.dirname(os.path.abspath(reco_megatron.__file__)))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+        fd = child_sock.fileno()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "reco_megatron.rewards._worker", str(fd)],
+            pass_fds=(fd,),
+            env=env,
+            stdin=subprocess.DEVNULL,
+        )
+        child_sock.close()  # only the worker holds its end: its death reads as EOF here
+        conn = Connection(parent_sock.detach())
+        conn.send((list(sys.path), self.config.reward, self.config.memory_limit_mb))
+        return _Worker(proc=proc, conn=conn, started=time.monotonic())
+
+    @staticmethod
+    def _kill(worker: _Worker) -> None:
+        if worker.proc.poll() is None:
+            worker.proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):  # SIGKILL is not ignorable
+            worker.proc.wait(timeout=5)
+        worker.conn.close()
+
+    def _replace(self, index: int) -> None:
+        self._kill(self._workers[index])
+        self._workers[index] = self._start_worker()
+        self.restarts += 1
+
+    def _on_ready_message(self, worker: _Worker) -> None:
+        try:
+            kind, detail = worker.conn.recv()
+        except (EOFError, OSError) as exc:
+            raise RuntimeError(
+                f"reward worker for {self.config.reward!r} died while starting (exit code "
+                f"{worker.proc.poll()}); is memory_limit_mb={self.config.memory_limit_mb} "
+                "too small to import it?"
+            ) from exc
+        if kind != "ready":
+            raise RewardSpecError(f"reward {self.config.reward!r} failed in a worker: {detail}")
+        worker.ready = True
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.config.start_timeout_s
+        while not all(w.ready for w in self._workers):
+            waiting = [w for w in self._workers if not w.ready]
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeError(
+                    f"{len(waiting)} reward worker(s) for {self.config.reward!r} not ready after "
+                    f"start_timeout_s={self.config.start_timeout_s}; raise it on a slow machine"
+                )
+            for conn in wait([w.conn for w in waiting], timeout=left):
+                self._on_ready_message(next(w for w in waiting if w.conn is conn))
+
+    def _self_check(self) -> None:
+        batch = self.score([""], [""])
+        if batch.statuses[0] == st.INVALID:
+            raise RewardSpecError(
+                f"reward {self.config.reward!r} returned a non-number (or an unknown status) for "
+                "('', ''): it must return a finite float or a RewardResult"
+            )
+        if batch.statuses[0] in (st.TIMEOUT, st.CRASH, st.ERROR):
+            log.warning(
+                "reward %r self-check on ('', '') gave %s; continuing (items like it score 0.0)",
+                self.config.reward,
+                batch.statuses[0],
+            )
+
+    # -- scoring ------------------------------------------------------------------------
+    def score(self, responses: Sequence[str], golds: Sequence[str]) -> RewardBatch:
+        """Score ``responses[i]`` against ``golds[i]``; never raises for bad responses.
+
+        Args:
+            responses: ``[B]`` model outputs (non-strings score 0.0 as parse failures).
+            golds: ``[B]`` reference answers.
+        Returns:
+            :class:`RewardBatch` with ``[B]`` scores and statuses and the batch metrics.
+        """
+        if len(responses) != len(golds):
+            raise ValueError(
+                f"score() got {len(responses)} responses but {len(golds)} golds: pass one gold "
+                "per response (repeat a prompt's gold for each of its G samples)"
+            )
+        if not self._workers:
+            raise RuntimeError("RewardPool is closed; create a new one")
+        cfg = self.config
+        n = len(responses)
+        scores = [0.0] * n
+        statuses = [st.OK] * n
+        latency = [0.0] * n
+        truncated = 0
+        items: list[tuple[str, str] | None] = []
+        for response, gold in zip(responses, golds, strict=True):
+            if not isinstance(response, str) or not isinstance(gold, str):
+                items.append(None)
+                continue
+            if len(response) > cfg.max_response_chars:
+                response = response[-cfg.max_response_chars :]
+                truncated += 1
+            if len(gold) > cfg.max_gold_chars:
+                log.warning("gold answer of %d chars cut to %d", len(gold), cfg.max_gold_chars)
+                gold = gold[: cfg.max_gold_chars]
+            items.append((response, gold))
+        pending = deque(i for i, item in enumerate(items) if item is not None)
+        for i, item in enumerate(items):
+            if item is None:
+                statuses[i] = st.PARSE_FAILURE
+        restarts_before = self.restarts
+        in_flight = 0
+
+        def finish(index: int, worker_index: int, score: float, status: str) -> None:
+            nonlocal in_flight
+            worker = self._workers[worker_index]
+            scores[index], statuses[index] = score, status
+            latency[index] = time.monotonic() - worker.item_started
+            worker.item = None
+            in_flight -= 1
+
+        while pending or in_flight:
+            now = time.monotonic()
+            for w_index, worker in enumerate(self._workers):
+                if worker.ready and worker.item is None and pending:
+                    index = pending.popleft()
+                    try:
+                        worker.conn.send((index, *items[index]))  # type: ignore[misc]
+                    except (BrokenPipeError, OSError):
+                        pending.appendleft(index)  # never started: retry on a new worker
+                        self._replace(w_index)
+                        continue
+                    worker.item, worker.item_started = index, now
+                    in_flight += 1
+            busy = [w for w in self._workers if w.item is not None or not w.ready]
+            deadlines = [w.item_started + cfg.timeout_s for w in busy if w.item is not None]
+            deadlines += [w.started + cfg.start_timeout_s for w in busy if not w.ready]
+            timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else 0.0
+            ready_conns = wait([w.conn for w in busy], timeout=timeout)
+            for w_index, worker in enumerate(self._workers):
+                if worker in busy and worker.conn in ready_conns:
+                    self._handle_event(w_index, finish)
+            now = time.monotonic()
+            for w_index, worker in enumerate(self._workers):
+                if worker.item is not None and now - worker.item_started > cfg.timeout_s:
+                    finish(worker.item, w_index, 0.0, st.TIMEOUT)
+                    self._replace(w_index)
+                elif not worker.ready and now - worker.started > cfg.start_timeout_s:
+                    raise RuntimeError(
+                        f"replacement reward worker not ready after {cfg.start_timeout_s} s"
+                    )
+        return RewardBatch(
+            scores,
+            statuses,
+            self._metrics(scores, statuses, latency, truncated, self.restarts - restarts_before),
+        )
+
+    def _handle_event(self, w_index: int, finish: Any) -> None:
+        worker = self._workers[w_index]
+        if not worker.ready:
+            self._on_ready_message(worker)
+            return
+        try:
+            index, score, status, detail = worker.conn.recv()
+        except (EOFError, OSError):
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                worker.proc.wait(timeout=1)
+            item, code = worker.item, worker.proc.returncode
+            finish(item, w_index, 0.0, st.CRASH)
+            self._replace(w_index)
+            log.warning("reward worker died (exit code %s) on item %s; replaced it", code, item)
+            return
+        if status == st.ERROR:
+            log.warning("reward function raised on item %d: %s", index, detail)
+        finish(index, w_index, score, status)
+        if status == st.MEMORY:
+            self._replace(w_index)
+
+    @staticmethod
+    def _metrics(
+        scores: list[float],
+        statuses: list[str],
+        latency: list[float],
+        truncated: int,
+        restarts: int,
+    ) -> dict[str, float]:
+        counts = Counter(statuses)
+        n = max(len(scores), 1)
+        metrics = {
+            "reward/score/mean": sum(scores) / n,
+            "reward/items/sum": float(len(scores)),
+            "reward/truncated/sum": float(truncated),
+            "reward/latency_s/max": max(latency, default=0.0),
+            "reward/worker_restarts/sum": float(restarts),
+        }
+        names = {st.PARSE_FAILURE: "parse_failures", st.TIMEOUT: "timeouts", st.CRASH: "crashes"}
+        names |= {st.MEMORY: "memory_errors", st.ERROR: "errors", st.INVALID: "invalid"}
+        names |= {st.NO_ANSWER: "no_answer"}
+        for status, name in names.items():
+            metrics[f"reward/{name}/sum"] = float(counts.get(status, 0))
+        return metrics
+
+    # -- shutdown -----------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop every worker (politely, then SIGKILL after 2 s). Idempotent."""
+        for worker in self._workers:
+            with contextlib.suppress(BrokenPipeError, OSError):
+                worker.conn.send(None)
+        for worker in self._workers:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                worker.proc.wait(timeout=2)
+            self._kill(worker)
+        self._workers = []
+
+    def __enter__(self) -> RewardPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_workers", None):
+            self.close()

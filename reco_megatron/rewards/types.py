@@ -1,0 +1,36 @@
+"""Reward result type and the status vocabulary shared by reward functions and the pool.
+
+A reward function is any callable ``fn(response: str, gold: str) -> float``. It may instead
+return a :class:`RewardResult` to say *why* it gave its score (e.g. no answer found); the
+:class:`~reco_megatron.rewards.pool.RewardPool` counts those statuses as metrics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+# Statuses a reward function may report.
+OK = "ok"  # the answer was parsed and compared (the score says whether it matched)
+NO_ANSWER = "no_answer"  # no final answer found in the response
+PARSE_FAILURE = "parse_failure"  # an answer was found but could not be parsed / checked
+# Statuses only the pool assigns.
+TIMEOUT = "timeout"  # the worker exceeded the per-item timeout and was killed
+CRASH = "crash"  # the worker process died (segfault, os._exit, killed by the OS)
+MEMORY = "memory"  # MemoryError under the worker's address-space limit
+ERROR = "error"  # the reward function raised an exception
+INVALID = "invalid"  # the reward function returned something that is not a finite number
+
+FUNCTION_STATUSES: tuple[str, ...] = (OK, NO_ANSWER, PARSE_FAILURE)
+POOL_STATUSES: tuple[str, ...] = (TIMEOUT, CRASH, MEMORY, ERROR, INVALID)
+STATUSES: tuple[str, ...] = FUNCTION_STATUSES + POOL_STATUSES
+
+
+class RewardResult(NamedTuple):
+    """A score in ``[0, 1]`` (by convention; the pool only requires a finite float) + status."""
+
+    score: float
+    status: str = OK
+
+
+RewardFn = Callable[[str, str], "float | RewardResult"]

@@ -1,0 +1,64 @@
+"""Misbehaving reward functions, loaded by import path inside RewardPool workers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from reco_megatron.rewards.types import RewardResult
+
+
+def exact(response: str, gold: str) -> float:
+    """1.0 when the stripped response equals the gold."""
+    return 1.0 if response.strip() == gold.strip() else 0.0
+
+
+def hang_on_hang(response: str, gold: str) -> float:
+    """Sleeps forever when the response is "hang", else behaves like :func:`exact`."""
+    if response == "hang":
+        while True:
+            time.sleep(3600)
+    return exact(response, gold)
+
+
+def hog_on_hog(response: str, gold: str) -> float:
+    """Allocates 8 GiB when the response is "hog" (must hit RLIMIT_AS), else :func:`exact`."""
+    if response == "hog":
+        block = bytearray(8 * 1024**3)
+        return float(len(block))
+    return exact(response, gold)
+
+
+def die_on_die(response: str, gold: str) -> float:
+    """Kills its own process with SIGKILL when the response is "die" (a hard crash)."""
+    if response == "die":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return exact(response, gold)
+
+
+def raise_on_raise(response: str, gold: str) -> float:
+    """Raises ValueError when the response is "raise"."""
+    if response == "raise":
+        raise ValueError("boom")
+    return exact(response, gold)
+
+
+def returns_string(response: str, gold: str) -> str:
+    """Wrong return type: a string."""
+    return "one"
+
+
+def returns_nan_or_result(response: str, gold: str) -> object:
+    """NaN for "nan", an explicit RewardResult otherwise."""
+    if response == "nan":
+        return float("nan")
+    return RewardResult(0.5, "no_answer")
+
+
+def one_arg(response: str) -> float:
+    """Wrong arity."""
+    return 0.0
+
+
+NOT_CALLABLE = 3
