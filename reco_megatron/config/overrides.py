@@ -4,20 +4,24 @@ The key is a dotted path of section and field names (and keys of ``dict[str, X]`
 the value is parsed as one YAML flow value, so ``1e-6``, ``true``, ``[1, 2]``, ``{a: 1}``,
 ``null`` and ``'quoted strings'`` mean what they mean in a config file. An override *sets*
 the value at its path: a mapping given for a section is merged onto the section's default
-like a file's, but it replaces what the file said for that section.
+like a file's, but it replaces what the file said for that section. A key inside a
+``dict[str, X]`` field (``reward_weights.format=0.5``) edits one entry of the current dict
+(the file's, else the default), where a file's mapping replaces the dict whole.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import yaml
 
-from reco_megatron.config.dump import config_to_dict
+from reco_megatron.config.dump import config_to_dict, to_plain
 from reco_megatron.config.errors import ConfigError, ConfigPath, Problems, unknown_key_message
 from reco_megatron.config.schema import (
+    default_of,
     dict_value_type,
     init_fields,
     is_dataclass_instance,
@@ -96,33 +100,40 @@ def apply_override(raw: dict[str, Any], cls: type, override: Override, problems:
     node = raw
     tp: Any = cls
     path: ConfigPath = ()
+    base: Any = None  # the default instance of the current section (None: class defaults)
     for i, part in enumerate(override.key):
         section = section_type(tp)
+        default: Any = None
         if section is not None:
-            names = [f.name for f in init_fields(section)]
-            if part not in names:
-                message = unknown_key_message(part, names, path)
+            fields = {f.name: f for f in init_fields(section)}
+            if part not in fields:
+                message = unknown_key_message(part, list(fields), path)
                 problems.add((*path, part), f"{message} (in override {override.text!r})")
                 return
             next_tp = type_hints(section)[part]
+            default = getattr(base, part) if base is not None else default_of(fields[part])
         else:
-            next_tp = dict_value_type(tp)
-            if next_tp is None:
-                whole = ".".join(map(str, path)) + ("=[...]" if "[" in type_name(tp) else "=...")
-                problems.add(
-                    path,
-                    f"is a {type_name(tp)}, not a section, so override {override.text!r} "
-                    f"cannot set a key inside it; set it whole, e.g. {whole}",
-                )
-                return
+            next_tp = dict_value_type(tp)  # the check below keeps tp a section or a dict here
         if i == len(override.key) - 1:
             node[part] = override.value
             problems.set_origin((*path, part), override.text)
             return
+        if section_type(next_tp) is None and dict_value_type(next_tp) is None:
+            kind = type_name(next_tp)
+            whole = ".".join(map(str, (*path, part))) + ("=[...]" if "[" in kind else "=...")
+            problems.add(
+                (*path, part),
+                f"has type {kind}, not a section, so override {override.text!r} cannot set a key "
+                f"inside it; set it whole, e.g. {whole}",
+            )
+            return
         child = node.get(part)
+        if child is None and section_type(next_tp) is None and isinstance(default, Mapping):
+            child = to_plain(default)  # one key of a dict field: edit the default dict
         if is_dataclass_instance(child):
             child = config_to_dict(child)
         if not isinstance(child, dict):
             child = {}
         node[part] = child
+        base = default if is_dataclass_instance(default) else None
         node, tp, path = child, next_tp, (*path, part)

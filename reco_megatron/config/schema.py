@@ -88,9 +88,9 @@ def section_type(tp: Any) -> type | None:
 
 
 def dict_value_type(tp: Any) -> Any | None:
-    """``X`` for ``dict[str, X]`` (or its Optional), ``Any`` for bare ``dict``, else None."""
+    """``X`` for ``dict[str, X]`` (or its Optional), ``Any`` for ``dict`` / ``Any``, else None."""
     inner = strip_optional(tp)
-    if inner is dict:
+    if inner is dict or inner is Any:
         return Any
     if typing.get_origin(inner) is dict:
         return typing.get_args(inner)[1]
