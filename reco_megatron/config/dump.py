@@ -56,16 +56,25 @@ def _represent_list(dumper: yaml.SafeDumper, data: list[Any]) -> yaml.Node:
 _Dumper.add_representer(list, _represent_list)
 
 
-def dumps_config(config: Any, header: str | None = None) -> str:
-    """The YAML text of a config instance; ``header`` lines are written as ``#`` comments."""
-    text = yaml.dump(
-        config_to_dict(config),
+def _yaml(plain: dict[str, Any], allow_unicode: bool) -> str:
+    return yaml.dump(
+        plain,
         Dumper=_Dumper,
         sort_keys=False,
         default_flow_style=False,
-        allow_unicode=True,
+        allow_unicode=allow_unicode,
         width=100,
     )
+
+
+def dumps_config(config: Any, header: str | None = None) -> str:
+    """The YAML text of a config instance; ``header`` lines are written as ``#`` comments."""
+    plain = config_to_dict(config)
+    text = _yaml(plain, allow_unicode=True)
+    if yaml.safe_load(text) != plain:
+        # PyYAML writes a few line-break characters (U+0085) raw inside quotes, where they
+        # read back as spaces; escaping every non-ASCII character avoids that.
+        text = _yaml(plain, allow_unicode=False)
     if header:
         comments = "".join(f"# {line}".rstrip() + "\n" for line in header.splitlines())
         text = comments + text
