@@ -103,7 +103,10 @@ def _to_union(value: Any, tp: Any, path: ConfigPath, problems: Problems, base: A
     options = [a for a in args if a is not type(None)]
     if len(options) == 1:
         return coerce(value, options[0], path, problems, base)
-    for option in options:
+    # A member matching the value's own type wins over a conversion: in ``int | str`` the
+    # string "0E0" stays a string rather than being read as the number 0.
+    exact = [o for o in options if isinstance(o, type) and type(value) is o]
+    for option in exact + [o for o in options if o not in exact]:
         scratch = Problems()
         result = coerce(value, option, path, scratch, base)
         if result is not FAIL:

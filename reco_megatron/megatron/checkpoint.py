@@ -29,12 +29,11 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
-from reco_megatron.megatron import compat
 from reco_megatron.megatron.checkpoint_compat import (
-    DISTRIB_OPTIM_METADATA,
-    init_optimizer_state,
-    untie_adam_steps,
+    load_model_and_optimizer,
+    save_model_and_optimizer,
 )
 from reco_megatron.utils.logging import get_logger
 
@@ -76,22 +75,6 @@ def latest_checkpoint(root: str | Path) -> Path | None:
             "removed or is incomplete; point 'latest' at another step_* directory or delete it"
         )
     return path
-
-
-def _model_state(engine: Any) -> dict[str, Any]:
-    chunks = engine.unwrapped()
-    if len(chunks) == 1:
-        return {"model": chunks[0].sharded_state_dict()}
-    return {f"model{i}": c.sharded_state_dict(vp_stage=i) for i, c in enumerate(chunks)}
-
-
-def _merged(model_state: dict[str, Any]) -> dict[str, Any]:
-    if "model" in model_state:
-        return model_state["model"]
-    merged: dict[str, Any] = {}
-    for part in model_state.values():
-        merged.update(part)
-    return merged
 
 
 def _rng_state() -> dict[str, Any]:
@@ -161,12 +144,7 @@ def save_checkpoint(
         (tmp / "dist").mkdir(parents=True)
         (tmp / "rng").mkdir()
     _barrier()
-    model_state = _model_state(engine)
-    state: dict[str, Any] = dict(model_state)
-    state["optimizer"] = engine.optimizer.sharded_state_dict(
-        _merged(model_state), is_loading=False, metadata=DISTRIB_OPTIM_METADATA
-    )
-    compat.dist_checkpointing_save(state, str(tmp / "dist"))
+    save_model_and_optimizer(str(tmp / "dist"), engine.unwrapped(), engine.optimizer)
     torch.save(_rng_state(), tmp / "rng" / f"rank_{_rank():05d}.pt")
     _barrier()
     if _rank() == 0:
@@ -244,34 +222,18 @@ def load_checkpoint(
     path = Path(path)
     meta = read_meta(path)
     check_compatible(meta, engine, with_optimizer=load_optimizer)
-    model_state = _model_state(engine)
-    template: dict[str, Any] = dict(model_state)
-    if load_optimizer:
-        # The load template is built from the optimizer's own state: create it first.
-        init_optimizer_state(engine.optimizer)
-        template["optimizer"] = engine.optimizer.sharded_state_dict(
-            _merged(model_state), is_loading=True, metadata=DISTRIB_OPTIM_METADATA
-        )
     try:
-        with torch.no_grad():
-            loaded = compat.dist_checkpointing_load(template, str(path / "dist"))
-            chunks = engine.unwrapped()
-            if len(chunks) == 1:
-                chunks[0].load_state_dict(loaded["model"], strict=True)
-            else:
-                for i, chunk in enumerate(chunks):
-                    chunk.load_state_dict(loaded[f"model{i}"], strict=True)
-            if load_optimizer:
-                engine.optimizer.load_state_dict(loaded["optimizer"])
-    except CheckpointError:
-        raise
-    except Exception as exc:  # dist_checkpointing raises many types for damaged files
+        load_model_and_optimizer(
+            str(path / "dist"), engine.unwrapped(), engine.optimizer if load_optimizer else None
+        )
+    # dist_checkpointing raises many types for damaged files; torch's CheckpointException
+    # derives from BaseException.
+    except (Exception, CheckpointException) as exc:
         raise CheckpointError(
             f"could not read the weights of {path} ({type(exc).__name__}: {exc}); the "
             "checkpoint is damaged or was written by another model: use an older one"
         ) from exc
     if load_optimizer:
-        untie_adam_steps(engine.optimizer)
         engine.scheduler.load_state_dict(meta["scheduler"])
         engine.optimizer_steps = meta["optimizer_steps"]
     else:

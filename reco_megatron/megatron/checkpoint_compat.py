@@ -25,8 +25,10 @@ from reco_megatron.utils.logging import get_logger
 
 __all__ = [
     "DISTRIB_OPTIM_METADATA",
+    "init_optimizer_state",
     "load_model_and_optimizer",
     "save_model_and_optimizer",
+    "shutdown_async_writer",
     "untie_adam_steps",
 ]
 
@@ -40,13 +42,20 @@ def _chunks(model: Any) -> list[Any]:
     return model if isinstance(model, list) else [model]
 
 
-def _model_sharded_state_dict(model: Any) -> dict[str, Any]:
+def _model_states(model: Any) -> dict[str, Any]:
+    """``{"model": sd}`` for one chunk, ``{"model0": sd0, "model1": ...}`` for virtual
+    pipeline chunks (megatron's own naming)."""
     chunks = _chunks(model)
-    if len(chunks) != 1:
-        raise ValueError(
-            f"got {len(chunks)} model chunks; virtual pipeline stages are not supported here"
-        )
-    return chunks[0].sharded_state_dict()
+    if len(chunks) == 1:
+        return {"model": chunks[0].sharded_state_dict()}
+    return {f"model{i}": c.sharded_state_dict(vp_stage=i) for i, c in enumerate(chunks)}
+
+
+def _merged(model_states: dict[str, Any]) -> dict[str, Any]:
+    merged: dict[str, Any] = {}
+    for part in model_states.values():
+        merged.update(part)
+    return merged
 
 
 def _inner_optimizers(optimizer: Any) -> list[Any]:
@@ -54,7 +63,7 @@ def _inner_optimizers(optimizer: Any) -> list[Any]:
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
-def _init_optimizer_state(optimizer: Any) -> None:
+def init_optimizer_state(optimizer: Any) -> None:
     """Create Adam's moments *and* ``step`` (megatron's ``init_state_fn`` omits ``step``,
     which the distributed optimizer's ``state_dict()`` reads while building the template)."""
     for opt in _inner_optimizers(optimizer):
@@ -96,17 +105,20 @@ def untie_adam_steps(optimizer: Any) -> int:
 def save_model_and_optimizer(
     checkpoint_dir: str, model: Any, optimizer: Any | None = None, **save_kwargs: Any
 ) -> None:
-    """Save ``model`` (one chunk) and the distributed ``optimizer`` with ``dist_checkpointing``.
+    """Save ``model`` (a chunk or a list of chunks) and the distributed ``optimizer``.
 
     Collective: every rank of the job calls it with the same ``checkpoint_dir`` (created if
     missing; dist_checkpointing requires it to exist and be empty).
     """
     os.makedirs(checkpoint_dir, exist_ok=True)
-    model_sd = _model_sharded_state_dict(model)
-    state: dict[str, Any] = {"model": model_sd}
+    model_states = _model_states(model)
+    state: dict[str, Any] = dict(model_states)
     if optimizer is not None:
+        # A never-stepped optimizer has no state to shard: give it Adam's step-0 state (what
+        # its first step would create), so a checkpoint can be taken at any point.
+        init_optimizer_state(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(
-            model_sd, is_loading=False, metadata=DISTRIB_OPTIM_METADATA
+            _merged(model_states), is_loading=False, metadata=DISTRIB_OPTIM_METADATA
         )
     compat.dist_checkpointing_save(state, checkpoint_dir, **save_kwargs)
     logger.info("saved %s to %s", ", ".join(state), checkpoint_dir)
@@ -120,19 +132,38 @@ def load_model_and_optimizer(
     The model may use a different TP/PP layout than the save (dist_checkpointing reshards);
     the distributed optimizer state must be loaded at the DP size it was saved with.
     """
-    chunk = _chunks(model)[0]
-    model_sd = _model_sharded_state_dict(model)
-    template: dict[str, Any] = {"model": model_sd}
+    chunks = _chunks(model)
+    model_states = _model_states(model)
+    template: dict[str, Any] = dict(model_states)
     if optimizer is not None:
-        _init_optimizer_state(optimizer)
+        init_optimizer_state(optimizer)
         template["optimizer"] = optimizer.sharded_state_dict(
-            model_sd, is_loading=True, metadata=DISTRIB_OPTIM_METADATA
+            _merged(model_states), is_loading=True, metadata=DISTRIB_OPTIM_METADATA
         )
     with torch.no_grad():
         loaded = compat.dist_checkpointing_load(template, checkpoint_dir)
-        chunk.load_state_dict(loaded["model"], strict=strict)
+        for key, chunk in zip(model_states, chunks, strict=True):
+            chunk.load_state_dict(loaded[key], strict=strict)
         if optimizer is not None:
             optimizer.load_state_dict(loaded["optimizer"])
     if optimizer is not None:
         untie_adam_steps(optimizer)
     logger.info("loaded %s from %s", ", ".join(template), checkpoint_dir)
+
+
+def shutdown_async_writer() -> None:
+    """Stop the multiprocessing Manager that dist_checkpointing starts on its first save.
+
+    megatron keeps it in a module-level queue for the life of the process; a process that ends
+    without this leaves the Manager process behind. Safe to call when nothing was saved.
+    """
+    import sys
+
+    module = sys.modules.get("megatron.core.dist_checkpointing.strategies.filesystem_async")
+    queue = getattr(module, "_results_queue", None)
+    if module is None or queue is None:
+        return
+    manager = getattr(queue, "_manager", None)
+    module._results_queue = None
+    if manager is not None:
+        manager.shutdown()

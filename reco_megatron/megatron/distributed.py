@@ -42,8 +42,13 @@ class ParallelConfig:
     """Timeout of collectives before a hung job fails."""
 
     def __post_init__(self) -> None:
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                     "context_parallel_size", "micro_batch_size", "distributed_timeout_minutes"):
+        for name in (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "context_parallel_size",
+            "micro_batch_size",
+            "distributed_timeout_minutes",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"parallel.{name} must be a positive integer, got {value!r}")
@@ -84,7 +89,9 @@ class ParallelConfig:
         check = getattr(model, "check_tensor_parallel", None)
         if check is not None:
             check(self.tensor_model_parallel_size)
-        chunks = self.pipeline_model_parallel_size * (self.virtual_pipeline_model_parallel_size or 1)
+        chunks = self.pipeline_model_parallel_size * (
+            self.virtual_pipeline_model_parallel_size or 1
+        )
         if num_layers % chunks:
             raise ValueError(
                 f"num_layers={num_layers} is not divisible by PP x VP = {chunks}: choose a "

@@ -59,8 +59,11 @@ def reduce_metrics(
                 raise ValueError(f"metric {key!r} has no known reduction suffix")
         sums["__weight__"] = sums.get("__weight__", 0.0) + weight
     reduced: dict[str, float] = {}
-    for values, op in ((sums, dist.ReduceOp.SUM), (mins, dist.ReduceOp.MIN),
-                       (maxs, dist.ReduceOp.MAX)):
+    for values, op in (
+        (sums, dist.ReduceOp.SUM),
+        (mins, dist.ReduceOp.MIN),
+        (maxs, dist.ReduceOp.MAX),
+    ):
         names = sorted(values)
         if not names:
             continue

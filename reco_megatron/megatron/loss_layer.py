@@ -109,8 +109,11 @@ def statistics_func(
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Forward-only: the per-token statistics of the current weights, ``[B, S]`` each."""
     stats = _stats(mb, ctx, logits)
-    out = {"logprob": stats.logprob.detach(), "sum_p2": stats.sum_p2.detach(),
-           "entropy": stats.entropy.detach()}
+    out = {
+        "logprob": stats.logprob.detach(),
+        "sum_p2": stats.sum_p2.detach(),
+        "entropy": stats.entropy.detach(),
+    }
     return torch.zeros((), device=logits.device), torch.zeros((), dtype=torch.int), out
 
 
@@ -122,8 +125,8 @@ def make_forward_step(
     def forward_step(data_iterator: Iterator[RolloutBatch], model: Any):
         mb = next(data_iterator)
         s = mb.seq_length
-        position_ids = torch.arange(s, device=mb.tokens.device).unsqueeze(0).expand(
-            mb.num_sequences, s
+        position_ids = (
+            torch.arange(s, device=mb.tokens.device).unsqueeze(0).expand(mb.num_sequences, s)
         )
         # Causal attention needs no mask tensor; right padding is after every real token and
         # excluded by the loss mask.

@@ -68,8 +68,15 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.family not in ("llama", "qwen2"):
             raise ValueError(f"family must be 'llama' or 'qwen2', got {self.family!r}")
-        for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                     "vocab_size", "max_position_embeddings", "make_vocab_size_divisible_by"):
+        for name in (
+            "num_layers",
+            "hidden_size",
+            "ffn_hidden_size",
+            "num_attention_heads",
+            "vocab_size",
+            "max_position_embeddings",
+            "make_vocab_size_divisible_by",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -85,9 +92,13 @@ class ModelConfig:
                 f"{self.num_attention_heads}"
             )
         if self.params_dtype not in DTYPES:
-            raise ValueError(f"params_dtype must be one of {list(DTYPES)}, got {self.params_dtype!r}")
+            raise ValueError(
+                f"params_dtype must be one of {list(DTYPES)}, got {self.params_dtype!r}"
+            )
         if self.rope_scaling_factor is not None and self.rope_scaling_factor <= 0:
-            raise ValueError(f"rope_scaling_factor must be > 0 or null, got {self.rope_scaling_factor}")
+            raise ValueError(
+                f"rope_scaling_factor must be > 0 or null, got {self.rope_scaling_factor}"
+            )
 
     @property
     def query_groups(self) -> int:

@@ -79,9 +79,7 @@ def wrap_ddp(chunks: list[Any], config: Any, optim: OptimConfig) -> list[Any]:
         check_for_nan_in_grad=False,  # the trainer's stability guard handles NaN (skip + count)
     )
     return [
-        DistributedDataParallel(
-            config, ddp_config, chunk, disable_bucketing=i > 0
-        )
+        DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)
         for i, chunk in enumerate(chunks)
     ]
 

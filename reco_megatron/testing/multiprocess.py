@@ -26,6 +26,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import sys
 import tempfile
 import time
 import traceback
@@ -88,6 +89,10 @@ def _worker(
         results.put((rank, "error", traceback.format_exc()))
     finally:
         try:
+            if "megatron.core" in sys.modules:
+                from reco_megatron.megatron.checkpoint_compat import shutdown_async_writer
+
+                shutdown_async_writer()
             import torch.distributed as dist
 
             if dist.is_initialized():

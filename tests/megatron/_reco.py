@@ -96,7 +96,8 @@ def build_engine(
     near 0 into a difference of up to ``2 lr`` (a sign flip); with eps = 1e-3 the update is
     Lipschitz in ``g`` with constant ``lr / eps`` and layouts can be compared tightly."""
     parallel = ParallelConfig(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
         micro_batch_size=micro_batch_size,
     )
     initialize_parallel(parallel, seed=1234)

@@ -49,9 +49,9 @@ def reference_weights() -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def single(reference_weights) -> dict:
-    return run_distributed(
-        _update_body, 1, args=(1, 1, 2, reference_weights, "reco"), timeout=120
-    )[0]
+    return run_distributed(_update_body, 1, args=(1, 1, 2, reference_weights, "reco"), timeout=120)[
+        0
+    ]
 
 
 def _compare(got: dict, want: dict) -> None:
@@ -66,7 +66,9 @@ def _compare(got: dict, want: dict) -> None:
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (2, 1, 2)]
 
 
-@pytest.mark.parametrize(("tp", "pp", "dp"), LAYOUTS[1:], ids=[f"tp{t}pp{p}dp{d}" for t, p, d in LAYOUTS[1:]])
+@pytest.mark.parametrize(
+    ("tp", "pp", "dp"), LAYOUTS[1:], ids=[f"tp{t}pp{p}dp{d}" for t, p, d in LAYOUTS[1:]]
+)
 def test_layout_equals_single_process(tp, pp, dp, reference_weights, single) -> None:
     results = run_distributed(
         _update_body, tp * pp * dp, args=(tp, pp, 2, reference_weights, "reco"), timeout=180
