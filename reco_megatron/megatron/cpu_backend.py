@@ -242,6 +242,44 @@ def _patch_type_checks() -> None:
             )
 
 
+@contextmanager
+def _tensor_cuda_is_identity() -> Iterator[None]:
+    """While active, ``tensor.cuda()`` returns the tensor unchanged (it stays on the CPU)."""
+    original = torch.Tensor.cuda
+
+    def cuda(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self
+
+    torch.Tensor.cuda = cuda  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = original  # type: ignore[method-assign]
+
+
+def _patch_tied_embedding_setup() -> None:
+    """Tied embeddings with PP > 1: the last stage moves its copy to CUDA before syncing it."""
+    from megatron.core.models.common.language_module import language_module
+
+    cls = language_module.LanguageModule
+    original = cls.setup_embeddings_and_output_layer
+
+    @functools.wraps(original)
+    def setup(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with _tensor_cuda_is_identity():
+            return original(self, *args, **kwargs)
+
+    cls.setup_embeddings_and_output_layer = setup
+    _patches.append(
+        Patch(
+            f"{language_module.__name__}.LanguageModule.setup_embeddings_and_output_layer",
+            "with tied embeddings and PP > 1 the last stage calls weight.data.cuda() before "
+            "all-reducing its copy over the embedding group; Tensor.cuda() is the identity "
+            "during this call only",
+        )
+    )
+
+
 def _proxy_modules() -> None:
     proxy = _CpuTorch()
     for name, reason in _PROXIED_MODULES.items():
@@ -271,6 +309,7 @@ def enable_cpu_backend(force: bool = False) -> bool:
         return False
     _proxy_modules()
     _patch_type_checks()
+    _patch_tied_embedding_setup()
     install_cpu_rng_tracker()
     _patches.append(
         Patch(

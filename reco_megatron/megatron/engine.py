@@ -17,6 +17,7 @@ group so that global rank 0 can log them.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -179,9 +180,11 @@ class ReCoEngine:
     def prepare(self, batch: RolloutBatch) -> tuple[RolloutBatch, dict[str, float]]:
         """The old-policy pass, reference log-probs and response weights of a whole batch."""
         metrics: dict[str, torch.Tensor] = {}
+        start = time.perf_counter()
         stats = self.statistics(batch)
+        elapsed = time.perf_counter() - start
         if not stats:
-            return batch, {}
+            return batch, {"time_old_logprob": elapsed}
         mask = batch.loss_mask
         old = stats["logprob"]
         ref = self.statistics(batch, reference=True)["logprob"] if self.ref_model else None
@@ -208,15 +211,20 @@ class ReCoEngine:
             ref_logprobs=ref,
             weights=weights,
         )
-        return prepared, reduce_metrics([metrics], weight_key="num_response_tokens/sum")
+        out = reduce_metrics([metrics], weight_key="num_response_tokens/sum")
+        out["time_old_logprob"] = elapsed
+        return prepared, out
 
     def train_step(self, minibatch: RolloutBatch) -> dict[str, float]:
         """One optimizer step on ``minibatch`` (this DP rank's share), globally normalised."""
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
+        start = time.perf_counter()
         parts = self._run(self.model, minibatch, policy_loss_func, forward_only=False)
+        middle = time.perf_counter()
         update_ok, grad_norm, _ = self.optimizer.step()
+        end = time.perf_counter()
         if update_ok:
             self.scheduler.step(increment=1)
         self.optimizer_steps += 1
@@ -224,6 +232,8 @@ class ReCoEngine:
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics["update_skipped"] = 0.0 if update_ok else 1.0
         metrics["lr"] = current_lr(self.optimizer)
+        metrics["time_forward_backward"] = middle - start
+        metrics["time_optimizer"] = end - middle
         return metrics
 
     def train_on_rollout(self, batch: RolloutBatch) -> list[dict[str, float]]:

@@ -162,7 +162,10 @@ def load_full(engine: ReCoEngine, full: dict[str, torch.Tensor]) -> None:
     with torch.no_grad():
         for chunk in engine.unwrapped():
             for name, param in chunk.named_parameters():
-                param.copy_(_shard(full[global_name(name, n)], param, name))
+                key = global_name(name, n)
+                if key == "output_layer.weight" and engine.model_cfg.tie_word_embeddings:
+                    key = "embedding.word_embeddings.weight"  # the last stage's tied copy
+                param.copy_(_shard(full[key], param, name))
     engine.optimizer.reload_model_params()
     engine.sync_reference()
 
@@ -173,7 +176,10 @@ def full_params(engine: ReCoEngine) -> dict[str, torch.Tensor]:
     out = {}
     for chunk in engine.unwrapped():
         for name, param in chunk.named_parameters():
-            out[global_name(name, n)] = _gather(param, param, name)
+            key = global_name(name, n)
+            if key == "output_layer.weight" and engine.model_cfg.tie_word_embeddings:
+                continue  # with PP the last stage's copy of the tied embedding
+            out[key] = _gather(param, param, name)
     return out
 
 

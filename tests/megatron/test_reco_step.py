@@ -26,9 +26,10 @@ PARAM_ATOL = 2e-5
 LOSS_ATOL = 1e-5
 
 
-def _update_body(rank, world_size, tp, pp, mbs, reference, preset):
+def _update_body(rank, world_size, tp, pp, mbs, reference, preset, family="llama"):
     loss = LossConfig.preset(preset, kl_coef=0.0)
-    engine = _reco.build_engine(tp=tp, pp=pp, micro_batch_size=mbs, loss=loss)
+    model = _reco.model_config(family, tie_word_embeddings=family == "qwen2")
+    engine = _reco.build_engine(tp=tp, pp=pp, micro_batch_size=mbs, loss=loss, model=model)
     if reference is None:
         return _reco.full_params(engine)
     _reco.load_full(engine, reference)
@@ -97,3 +98,18 @@ def test_micro_batching_does_not_change_the_update(mbs, reference_weights, singl
         _update_body, 1, args=(1, 1, mbs, reference_weights, "reco"), timeout=120
     )[0]
     _compare(res, single)
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_qwen2_family_tied_embeddings_and_qkv_bias(tp, pp) -> None:
+    # Qwen2: bias on the QKV projection (sharded with it) and tied input/output embeddings
+    # (with PP the first and last stage hold copies kept in sync by megatron's embedding group).
+    ref = run_distributed(_update_body, 1, args=(1, 1, 2, None, "reco", "qwen2"), timeout=120)[0]
+    assert any(k.endswith("linear_qkv.bias") for k in ref)
+    assert not any(k.startswith("output_layer") for k in ref)
+    want = run_distributed(_update_body, 1, args=(1, 1, 2, ref, "reco", "qwen2"), timeout=120)[0]
+    got = run_distributed(
+        _update_body, tp * pp, args=(tp, pp, 2, ref, "reco", "qwen2"), timeout=180
+    )
+    for res in got:
+        _compare(res, want)
