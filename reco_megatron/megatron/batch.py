@@ -115,30 +115,34 @@ def micro_batches(batch: RolloutBatch, micro_batch_size: int) -> list[RolloutBat
     return [batch.select(slice(i, i + micro_batch_size)) for i in range(0, b, micro_batch_size)]
 
 
+def data_parallel_groups(
+    num_groups: int, dp_rank: int, dp_size: int, minibatches: int
+) -> list[int]:
+    """Indices of the groups (prompts) of a global rollout batch owned by one DP rank.
+
+    The global batch is read mini-batch-major: global mini-batch ``k`` is groups
+    ``[k P/M, (k+1) P/M)`` whatever the DP size, and within it rank ``r`` owns the ``r``-th of
+    ``dp_size`` equal slices. A rank's groups are its slices in order, so splitting its share
+    into ``minibatches`` consecutive parts (what the engine does) gives every rank its part of
+    the *same* global mini-batch ``k``: training is identical for any DP size.
+    """
+    per = num_groups // (dp_size * minibatches) if dp_size * minibatches else 0
+    if per == 0 or num_groups % (dp_size * minibatches):
+        raise ValueError(
+            f"{num_groups} prompts per step cannot be split into {minibatches} mini-batches x "
+            f"{dp_size} data-parallel ranks: make rollout.prompts_per_step a multiple of "
+            f"update.minibatches_per_rollout x DP = {minibatches * dp_size}"
+        )
+    return [
+        k * dp_size * per + dp_rank * per + i for k in range(minibatches) for i in range(per)
+    ]
+
+
 def data_parallel_share(
     batch: RolloutBatch, dp_rank: int, dp_size: int, minibatches: int
 ) -> RolloutBatch:
-    """This DP rank's rows of a *global* rollout batch, DP-invariant by construction.
-
-    The global batch is read mini-batch-major: global mini-batch ``k`` is rows
-    ``[k B/M, (k+1) B/M)`` whatever the DP size, and within it rank ``r`` owns the ``r``-th
-    of ``dp_size`` equal slices. Each rank's share is the concatenation of its slices, so
-    splitting it into ``minibatches`` consecutive parts (what the engine does) gives every
-    rank its part of the *same* global mini-batch ``k``: training is identical for any DP
-    size. Each slice must hold whole groups, so the ReCo weights stay per complete group.
-    """
-    b, g = batch.num_sequences, batch.group_size
-    per = b // (dp_size * minibatches) if dp_size * minibatches else 0
-    if per == 0 or b % (dp_size * minibatches) or per % g:
-        raise ValueError(
-            f"a global batch of {b} sequences (groups of {g}) cannot be split into "
-            f"{minibatches} mini-batches x {dp_size} data-parallel ranks of whole groups: make "
-            "prompts_per_step divisible by minibatches_per_rollout x DP"
-        )
-    rows = torch.cat(
-        [
-            torch.arange(k * dp_size * per + dp_rank * per, k * dp_size * per + (dp_rank + 1) * per)
-            for k in range(minibatches)
-        ]
-    )
+    """This DP rank's rows of a *global* rollout batch (see :func:`data_parallel_groups`)."""
+    g = batch.group_size
+    groups = data_parallel_groups(batch.num_sequences // g, dp_rank, dp_size, minibatches)
+    rows = torch.tensor([grp * g + j for grp in groups for j in range(g)], dtype=torch.long)
     return batch.select(rows)

@@ -32,6 +32,7 @@ from reco_megatron.megatron.loss_layer import (
     LossContext,
     make_forward_step,
     policy_loss_func,
+    sft_loss_func,
     statistics_func,
 )
 from reco_megatron.megatron.model import ModelConfig, build_model, transformer_config
@@ -234,6 +235,28 @@ class ReCoEngine:
         metrics["lr"] = current_lr(self.optimizer)
         metrics["time_forward_backward"] = middle - start
         metrics["time_optimizer"] = end - middle
+        return metrics
+
+    def sft_step(self, batch: RolloutBatch, lr: float) -> dict[str, float]:
+        """One supervised step (NLL of the response tokens) at learning rate ``lr``.
+
+        The scheduler is not advanced: SFT warm-up does not consume the RL schedule.
+        """
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        saved = [group["lr"] for group in self.optimizer.param_groups]
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        try:
+            parts = self._run(self.model, batch, sft_loss_func, forward_only=False)
+            update_ok, grad_norm, _ = self.optimizer.step()
+        finally:
+            for group, value in zip(self.optimizer.param_groups, saved, strict=True):
+                group["lr"] = value
+        metrics = reduce_metrics(parts if self.is_last_stage else [], weight_key="num_tokens/sum")
+        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        metrics["update_skipped"] = 0.0 if update_ok else 1.0
         return metrics
 
     def train_on_rollout(self, batch: RolloutBatch) -> list[dict[str, float]]:

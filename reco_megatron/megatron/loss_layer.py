@@ -117,6 +117,23 @@ def statistics_func(
     return torch.zeros((), device=logits.device), torch.zeros((), dtype=torch.int), out
 
 
+def sft_loss_func(
+    mb: RolloutBatch, ctx: LossContext, logits: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Supervised warm-up: token-mean negative log-likelihood of the response tokens, in the
+    same per-token contract (numerator, token count) as :func:`policy_loss_func`."""
+    stats = _stats(mb, ctx, logits)
+    mask = mb.loss_mask
+    numerator = -(stats.logprob * mask).sum()
+    count = mask.sum().to(torch.int)
+    metrics = {
+        "loss_numerator/sum": numerator.detach().float(),
+        "loss_denominator/sum": count.float(),
+        "num_tokens/sum": count.float(),
+    }
+    return numerator, count, metrics
+
+
 def make_forward_step(
     loss_func: Callable[..., Any], ctx: LossContext
 ) -> Callable[[Iterator[RolloutBatch], Any], tuple[torch.Tensor, Callable[..., Any]]]:

@@ -1,0 +1,1 @@
+"""The ReCo RL loop: rollouts -> rewards -> advantages -> Megatron update -> weight sync."""

@@ -1,0 +1,297 @@
+"""The ReCo RL loop.
+
+Each step: sample ``prompts_per_step`` prompts (identically on every rank) -> this data-parallel
+rank generates G responses for *its* groups (seeded per prompt, so the responses do not depend
+on the parallel layout) -> rewards in the isolated pool (on the first rank of each model-parallel
+group, then broadcast) -> group advantages -> the engine's old-policy pass and response weights
+-> ``minibatches_per_rollout`` optimizer steps -> weights streamed to the rollout engine ->
+one row of ``metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from reco_megatron.algo import diversity_metrics, group_advantages, pass_at_k
+from reco_megatron.config import dump_config
+from reco_megatron.data.chat import PromptFormatter
+from reco_megatron.data.sampler import PromptSampler
+from reco_megatron.megatron.batch import data_parallel_groups, data_parallel_share
+from reco_megatron.megatron.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from reco_megatron.megatron.distributed import initialize_parallel
+from reco_megatron.megatron.engine import ReCoEngine
+from reco_megatron.rewards.pool import RewardPool
+from reco_megatron.trainer import setup
+from reco_megatron.trainer.config import TrainConfig
+from reco_megatron.trainer.metrics_writer import MetricsWriter, plot_training_curves
+from reco_megatron.trainer.rollout_batch import build_rollout_batch
+from reco_megatron.trainer.weight_sync import build_rollout_engine, sync_weights
+from reco_megatron.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+class Trainer:
+    """Build everything from a :class:`TrainConfig`; :meth:`run` trains to ``max_steps``."""
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        from megatron.core import parallel_state as ps
+
+        self.cfg = cfg
+        self.out = setup.prepare_output_dir(cfg.trainer.output_dir)
+        initialize_parallel(cfg.parallel, seed=cfg.trainer.seed)
+        self.rank = dist.get_rank()
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.dp_size = ps.get_data_parallel_world_size()
+        self.tokenizer = setup.load_tokenizer(cfg.data.tokenizer)
+        if self.tokenizer.vocab_size > cfg.model.vocab_size:
+            raise SystemExit(
+                f"the tokenizer has {self.tokenizer.vocab_size} tokens but model.vocab_size="
+                f"{cfg.model.vocab_size}: set model.vocab_size to at least the tokenizer's"
+            )
+        train_path = Path(cfg.data.train_path) if cfg.data.train_path else None
+        if train_path is None:
+            train_path, _ = setup.ensure_countdown_data(
+                self.out / "data", cfg.data.countdown, cfg.trainer.seed
+            )
+            dist.barrier()
+        cfg.data.dataset.max_prompt_len = cfg.rollout.max_prompt_len
+        self.dataset = setup.load_prompts(train_path, cfg.data.dataset, self.tokenizer)
+        self.formatter = PromptFormatter(tokenizer=self.tokenizer, template=cfg.data.template)
+        self.sampler = PromptSampler(len(self.dataset), cfg.rollout.prompts_per_step,
+                                     seed=cfg.trainer.seed)
+        total_updates = cfg.trainer.max_steps * cfg.update.minibatches_per_rollout * (
+            cfg.update.epochs_per_rollout
+        )
+        self.engine = ReCoEngine(
+            cfg.model, cfg.parallel, cfg.loss, cfg.optimizer, cfg.update,
+            total_optimizer_steps=total_updates, seed=cfg.trainer.seed,
+        )
+        self.rollout = build_rollout_engine(cfg, self.tokenizer)
+        self.rewards = RewardPool(cfg.reward) if self._scores_rewards else None
+        self.step = 0
+        self._initialise_weights()
+        if self.rank == 0:
+            dump_config(cfg, self.out / "config.yaml")
+        self.writer = (
+            MetricsWriter(self.out, cfg.trainer.max_steps, tensorboard=cfg.trainer.tensorboard,
+                          progress=cfg.trainer.progress)
+            if self.rank == 0 else None
+        )
+
+    # ------------------------------------------------------------------ set-up
+    @property
+    def _scores_rewards(self) -> bool:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_tensor_model_parallel_rank() == 0 and ps.get_pipeline_model_parallel_rank() == 0
+
+    @property
+    def ckpt_root(self) -> Path:
+        return self.out / "checkpoints"
+
+    def _initialise_weights(self) -> None:
+        cfg = self.cfg.checkpoint
+        latest = latest_checkpoint(self.ckpt_root) if cfg.resume else None
+        if latest is not None:
+            state = load_checkpoint(latest, self.engine)
+            self.step = int(state["step"])
+            self.sampler.load_state_dict(state["sampler"])
+            if state.get("rollout") is not None:
+                self.rollout.load_state_dict(state["rollout"])
+            logger.info("resumed from %s at step %d", latest, self.step)
+        elif cfg.init_megatron:
+            load_checkpoint(_resolve(cfg.init_megatron), self.engine, load_optimizer=False,
+                            load_rng=False)
+        elif cfg.init_hf:
+            from reco_megatron.megatron.hf_checkpoint import load_hf_into_engine
+
+            load_hf_into_engine(cfg.init_hf, self.engine)
+        if latest is None and self.cfg.sft.steps > 0:
+            self._sft_warmup()
+        sync_weights(self.engine, self.rollout, self.cfg.model)
+
+    def _sft_warmup(self) -> None:
+        sft = self.cfg.sft
+        batches = setup.sft_batches(
+            self.tokenizer, self.cfg.data.template, steps=sft.steps, batch_size=sft.batch_size,
+            solutions_per_problem=sft.solutions_per_problem, seed=self.cfg.trainer.seed,
+            max_len=self.cfg.model.max_position_embeddings, countdown=self.cfg.data.countdown,
+        )
+        start = time.perf_counter()
+        for i, batch in enumerate(batches):
+            share = data_parallel_share(batch, self.dp_rank, self.dp_size, 1)
+            metrics = self.engine.sft_step(share, sft.lr)
+            if i % 10 == 0 or i == len(batches) - 1:
+                logger.info("sft step %d/%d nll %.4f", i + 1, len(batches),
+                            metrics.get("loss", float("nan")))
+        logger.info("sft warm-up: %d steps in %.1f s", len(batches), time.perf_counter() - start)
+
+    # ------------------------------------------------------------------ one step
+    def _generate(self, indices: list[int]) -> tuple[list[list[int]], list[Any], list[str], list[int]]:
+        """Prompts of this DP rank's groups, their completions, golds and global indices."""
+        r = self.cfg.rollout
+        mine = data_parallel_groups(len(indices), self.dp_rank, self.dp_size,
+                                    self.cfg.update.minibatches_per_rollout)
+        records = [self.dataset[indices[g]] for g in mine]
+        prompts = [self.tokenizer.encode(self.formatter.format(rec.prompt)) for rec in records]
+        seeds = [hash((self.cfg.trainer.seed, self.step, g)) % (2**31) for g in mine]
+        completions = self.rollout.generate_seeded(prompts, r.group_size, seeds)
+        return prompts, completions, [rec.answer for rec in records], mine
+
+    def _score(self, texts: list[str], golds: list[str]) -> tuple[torch.Tensor, dict[str, float]]:
+        from megatron.core import parallel_state as ps
+
+        scores = torch.zeros(len(texts), dtype=torch.float64)
+        metrics: dict[str, float] = {}
+        if self.rewards is not None:
+            batch = self.rewards.score(texts, golds)
+            scores = torch.tensor(batch.scores, dtype=torch.float64)
+            metrics = dict(batch.metrics)
+        group = ps.get_model_parallel_group()
+        if dist.get_world_size(group) > 1:
+            src = dist.get_global_rank(group, 0)
+            dist.broadcast(scores, src=src, group=group)
+        return scores.float(), metrics
+
+    def train_step(self) -> dict[str, Any]:
+        cfg = self.cfg
+        g = cfg.rollout.group_size
+        times: dict[str, float] = {}
+        t0 = time.perf_counter()
+        indices = self.sampler.next_batch()
+        prompts, completions, golds, _ = self._generate(indices)
+        responses = [c.token_ids for group in completions for c in group]
+        logprobs = [c.logprobs for group in completions for c in group]
+        times["time_rollout"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        texts = [self.tokenizer.decode(ids) for ids in responses]
+        rewards, reward_metrics = self._score(texts, [gold for gold in golds for _ in range(g)])
+        advantages, adv_metrics = group_advantages(rewards, g, cfg.loss.advantage_mode,
+                                                   eps=cfg.loss.advantage_eps)
+        times["time_reward"] = time.perf_counter() - t0
+
+        batch = build_rollout_batch(prompts, responses, logprobs, advantages, g,
+                                    self.tokenizer.pad_id)
+        prepared, prep = self.engine.prepare(batch)
+        times["time_old_logprob"] = prep.pop("time_old_logprob", float("nan"))
+        t0 = time.perf_counter()
+        steps = self.engine.train_on_rollout(prepared)
+        times["time_train"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        sync_weights(self.engine, self.rollout, cfg.model)
+        times["time_sync"] = time.perf_counter() - t0
+        self.step += 1
+
+        local = self._rollout_metrics(rewards, responses, completions, g)
+        row = self._global_row(local, steps, prep, reward_metrics, adv_metrics)
+        row.update(times)
+        return row
+
+    def _rollout_metrics(self, rewards, responses, completions, g) -> dict[str, float]:
+        correct = (rewards >= 1.0).view(-1, g).sum(dim=1).tolist()
+        out: dict[str, float] = {
+            "reward_sum": float(rewards.sum()),
+            "num_responses": float(len(responses)),
+            "response_len_sum": float(sum(len(r) for r in responses)),
+            "truncated_sum": float(sum(c.finish_reason == "length" for grp in completions
+                                       for c in grp)),
+            "num_groups": float(len(correct)),
+        }
+        k = 1
+        while k <= g:
+            out[f"pass@{k}_sum"] = float(pass_at_k([g] * len(correct), correct, k).sum())
+            k *= 2
+        unique = [diversity_metrics([tuple(c.token_ids) for c in grp])["unique_frac"]
+                  for grp in completions]
+        out["unique_frac_sum"] = float(sum(unique))
+        return out
+
+    def _global_row(self, local, steps, prep, reward_metrics, adv_metrics) -> dict[str, Any]:
+        """Sum the rollout counters over DP ranks; engine metrics are already global."""
+        from megatron.core import parallel_state as ps
+
+        keys = sorted(local)
+        t = torch.tensor([local[k] for k in keys], dtype=torch.float64)
+        dist.all_reduce(t, group=ps.get_data_parallel_group())
+        s = dict(zip(keys, t.tolist(), strict=True))
+        n, groups = max(s["num_responses"], 1.0), max(s["num_groups"], 1.0)
+        row: dict[str, Any] = {
+            "step": self.step,
+            "reward_mean": s["reward_sum"] / n,
+            "response_len_mean": s["response_len_sum"] / n,
+            "truncated_frac": s["truncated_sum"] / n,
+            "unique_frac": s["unique_frac_sum"] / groups,
+        }
+        for key in keys:
+            if key.startswith("pass@"):
+                row[key.removesuffix("_sum")] = s[key] / groups
+        last = [self.engine.broadcast_metrics(m) for m in steps]
+        prep = self.engine.broadcast_metrics(prep)
+        for name, out in (("loss", "loss"), ("entropy", "entropy_mean"), ("clip_frac", "clip_frac"),
+                          ("weight_mean", "weight_mean"), ("weight_ess", "weight_ess"),
+                          ("grad_norm", "grad_norm"), ("kl_old_new", "kl_old_new"),
+                          ("token_ratio_max", "token_ratio_max"), ("ratio_max", "ratio_max"),
+                          ("lr", "lr")):
+            row[out] = _mean([m[name] for m in last if name in m])
+        row["logprob_mismatch"] = prep.get("logprob_mismatch", float("nan"))
+        row["zero_adv_frac"] = float(adv_metrics.get("zero_adv_frac/mean", float("nan")))
+        for key, value in reward_metrics.items():
+            if key.endswith("/sum") and ("timeout" in key or "failure" in key or "crash" in key):
+                row["reward_" + key.split("/")[-2]] = value
+        return row
+
+    # ------------------------------------------------------------------ the run
+    def save(self) -> None:
+        state = {"step": self.step, "sampler": self.sampler.state_dict(),
+                 "rollout": self.rollout.state_dict()}
+        save_checkpoint(self.ckpt_root, self.step, self.engine, state,
+                        keep_last=self.cfg.checkpoint.keep_last)
+
+    def run(self) -> Path:
+        """Train until ``trainer.max_steps``; returns the output directory."""
+        cfg = self.cfg
+        try:
+            while self.step < cfg.trainer.max_steps:
+                row = self.train_step()
+                if self.writer is not None:
+                    self.writer.write(row)
+                interval = cfg.checkpoint.save_interval
+                if interval and self.step % interval == 0 and self.step < cfg.trainer.max_steps:
+                    self.save()
+            if latest_checkpoint(self.ckpt_root) is None or not (
+                self.ckpt_root / f"step_{self.step:08d}"
+            ).exists():
+                self.save()
+        finally:
+            self.close()
+        if self.rank == 0 and (self.out / "metrics.jsonl").exists():
+            plot_training_curves(self.out / "metrics.jsonl", self.out / "training_curves.png")
+        return self.out
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        if self.rewards is not None:
+            self.rewards.close()
+        self.rollout.close()
+
+
+def _resolve(path: str) -> Path:
+    """A checkpoint directory, or a root holding a ``latest`` pointer."""
+    p = Path(path)
+    latest = latest_checkpoint(p) if (p / "latest").exists() else None
+    return latest or p
+
+
+

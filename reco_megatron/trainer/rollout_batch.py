@@ -1,0 +1,68 @@
+"""Turn prompts and sampled completions into the :class:`RolloutBatch` the engine trains on.
+
+Alignment (the classic off-by-one): row ``i`` holds ``tokens = prompt + response``; response
+token ``k`` sits at position ``p + k`` (``p`` = prompt length) and is predicted from position
+``p + k - 1``, so its rollout log-prob goes to label index ``p + k - 1`` of the ``[B, L-1]``
+per-token tensors, and ``response_mask[p + k] = 1``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from reco_megatron.megatron.batch import RolloutBatch
+
+
+def build_rollout_batch(
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    response_logprobs: Sequence[Sequence[float]],
+    advantages: torch.Tensor,
+    group_size: int,
+    pad_id: int,
+    pad_to_multiple: int = 8,
+) -> RolloutBatch:
+    """A right-padded batch of ``len(responses)`` rows (group-major, ``G`` rows per prompt).
+
+    Args:
+        prompts: one token list per *group* (``B`` of them).
+        responses: ``B * G`` response token lists; row ``g * G + j`` answers prompt ``g``.
+        response_logprobs: per-token log-probs the rollout engine reported, same shapes.
+        advantages: ``[B * G]``.
+        pad_id: id written into padding (never scored: the mask is 0 there).
+        pad_to_multiple: the length ``L - 1`` the model sees is rounded up to this multiple
+            (fewer distinct shapes; sequence/context parallel need divisibility).
+    """
+    n = len(responses)
+    if n != len(prompts) * group_size or n != len(response_logprobs):
+        raise ValueError(
+            f"{len(prompts)} prompts x group_size {group_size} != {n} responses "
+            f"({len(response_logprobs)} log-prob rows)"
+        )
+    rows = [list(prompts[i // group_size]) + list(responses[i]) for i in range(n)]
+    seq = max(len(r) for r in rows) - 1
+    seq = -(-max(seq, 1) // pad_to_multiple) * pad_to_multiple
+    length = seq + 1
+    tokens = torch.full((n, length), pad_id, dtype=torch.long)
+    mask = torch.zeros(n, length)
+    logprobs = torch.zeros(n, seq)
+    for i, row in enumerate(rows):
+        p = len(prompts[i // group_size])
+        r = len(responses[i])
+        if len(response_logprobs[i]) != r:
+            raise ValueError(
+                f"response {i} has {r} tokens but {len(response_logprobs[i])} log-probs"
+            )
+        tokens[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+        mask[i, p : p + r] = 1.0
+        if r:
+            logprobs[i, p - 1 : p - 1 + r] = torch.tensor(response_logprobs[i])
+    return RolloutBatch(
+        tokens=tokens,
+        response_mask=mask,
+        advantages=advantages.float(),
+        group_size=group_size,
+        rollout_logprobs=logprobs,
+    )

@@ -1,0 +1,120 @@
+"""Start-up pieces of a run: output directory checks, tokenizer, prompt data, SFT batches."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from pathlib import Path
+
+import torch
+
+from reco_megatron.data.countdown import generate, write_splits
+from reco_megatron.data.dataset import PromptDataset
+from reco_megatron.data.tokenizer import HFTokenizer, SentencePieceTokenizer, Tokenizer
+from reco_megatron.megatron.batch import RolloutBatch
+from reco_megatron.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+MIN_FREE_BYTES = 64 * 1024 * 1024
+
+
+def prepare_output_dir(path: str | Path) -> Path:
+    """Create ``path`` and prove it is writable with room to spare, before any compute."""
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".write_probe"
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as exc:
+        raise SystemExit(
+            f"trainer.output_dir={str(out)!r} is not writable ({exc.strerror}): choose another "
+            "directory with trainer.output_dir=..."
+        ) from exc
+    free = shutil.disk_usage(out).free
+    if free < MIN_FREE_BYTES:
+        raise SystemExit(
+            f"trainer.output_dir={str(out)!r} has only {free // 2**20} MiB free; checkpoints "
+            "need more: free space or choose another directory"
+        )
+    return out
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
+    """A SentencePiece ``.model`` file or a Hugging Face tokenizer directory."""
+    path = Path(spec)
+    if path.suffix == ".model":
+        return SentencePieceTokenizer(path)
+    if path.is_dir():
+        return HFTokenizer(path)
+    raise SystemExit(
+        f"data.tokenizer={spec!r} is neither a SentencePiece .model file nor a tokenizer "
+        "directory: pass e.g. examples/tiny/countdown_sp.model or a local HF model directory"
+    )
+
+
+def ensure_countdown_data(data_dir: Path, countdown, seed: int) -> tuple[Path, Path]:
+    """The countdown splits under ``data_dir`` (written once by global rank 0; the caller
+    waits at a barrier). ``countdown``: a :class:`~reco_megatron.trainer.config.CountdownConfig`."""
+    train, held_out = data_dir / "train.jsonl", data_dir / "eval.jsonl"
+    if _global_rank() == 0 and not train.exists():
+        write_splits(data_dir, n_train=countdown.n_train, n_eval=countdown.n_eval, seed=seed,
+                     **countdown.generate_kwargs())
+    return train, held_out
+
+
+def _global_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+
+
+def load_prompts(path: Path, cfg, tokenizer: Tokenizer) -> PromptDataset:
+    """The prompt dataset, validated row by row (errors name file and line)."""
+    return PromptDataset(path, cfg, tokenizer=tokenizer)
+
+
+def sft_batches(
+    tokenizer: Tokenizer,
+    template: str,
+    *,
+    steps: int,
+    batch_size: int,
+    solutions_per_problem: int,
+    seed: int,
+    max_len: int,
+    countdown,
+) -> list[RolloutBatch]:
+    """Countdown SFT data: prompt + ``"Answer: <expr>"`` + EOS, several solutions a problem.
+
+    Every batch is built identically on every rank (seeded), so data-parallel ranks can take
+    their share with :func:`reco_megatron.megatron.batch.data_parallel_share`.
+    """
+    rng = random.Random(seed)
+    problems = generate(countdown.n_train, seed=seed, **countdown.generate_kwargs())
+    examples = []
+    for problem in problems:
+        chosen = rng.sample(list(problem.solutions), min(solutions_per_problem, len(problem.solutions)))
+        for solution in chosen:
+            prompt = tokenizer.encode(template.format(prompt=problem.prompt))
+            answer = tokenizer.encode(f"Answer: {solution}") + [tokenizer.eos_id]
+            if len(prompt) + len(answer) <= max_len:
+                examples.append((prompt, answer))
+    rng.shuffle(examples)
+    batches = []
+    for i in range(steps):
+        chunk = [examples[(i * batch_size + j) % len(examples)] for j in range(batch_size)]
+        length = max(len(p) + len(a) for p, a in chunk)
+        length = -(-(length - 1) // 8) * 8 + 1
+        tokens = torch.full((batch_size, length), tokenizer.pad_id, dtype=torch.long)
+        mask = torch.zeros(batch_size, length)
+        for row, (p, a) in enumerate(chunk):
+            tokens[row, : len(p) + len(a)] = torch.tensor(p + a)
+            mask[row, len(p) : len(p) + len(a)] = 1.0
+        batches.append(
+            RolloutBatch(tokens=tokens, response_mask=mask, advantages=torch.zeros(batch_size),
+                         group_size=1)
+        )
+    return batches

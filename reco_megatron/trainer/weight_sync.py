@@ -1,0 +1,143 @@
+"""The rollout side of the loop: building the engine and streaming the policy into it.
+
+The policy's weights travel as Hugging Face ``(name, tensor)`` pairs
+(:func:`reco_megatron.megatron.convert.export_hf_weights`): what vLLM's ``load_weights`` and
+the embedded transformers engine both take. Every rank holds a rollout engine for its
+data-parallel replica, so every rank needs every tensor: TP shards are all-gathered by the
+export; with pipeline parallelism each stage's tensors are broadcast over the pipeline group,
+one tensor at a time (peak: one full tensor beyond the model).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from reco_megatron.megatron.convert import export_hf_weights
+from reco_megatron.megatron.hf_checkpoint import stage_plans
+from reco_megatron.megatron.hf_config import hf_config_from_model_config
+from reco_megatron.megatron.model import ModelConfig
+from reco_megatron.rollout.base import Completion, RolloutEngine, SamplingParams
+
+
+class RolloutClient:
+    """The trainer's handle on a :class:`RolloutEngine` with the run's sampling settings."""
+
+    def __init__(self, engine: RolloutEngine, sampling: SamplingParams) -> None:
+        self.engine = engine
+        self.sampling = sampling
+
+    def generate_seeded(
+        self, prompts: list[list[int]], n: int, seeds: list[int]
+    ) -> list[list[Completion]]:
+        """``n`` completions per prompt, prompt ``i`` sampled with ``seeds[i]``.
+
+        One seed per prompt makes a prompt's responses independent of which rank generates it
+        and of what else is in the batch: runs are identical for any data-parallel size.
+        """
+        out: list[list[Completion]] = []
+        for prompt, seed in zip(prompts, seeds, strict=True):
+            params = _with_seed(self.sampling, seed)
+            out.extend(self.engine.generate([prompt], n, params))
+        return out
+
+    def update_weights(self, named: Iterator[tuple[str, torch.Tensor]]) -> None:
+        self.engine.update_weights(named)
+
+    def state_dict(self) -> dict[str, Any]:
+        state = getattr(self.engine, "state_dict", None)
+        return state() if state is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        load = getattr(self.engine, "load_state_dict", None)
+        if load is not None and state:
+            load(state)
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def _with_seed(sampling: SamplingParams, seed: int) -> SamplingParams:
+    from dataclasses import replace
+
+    return replace(sampling, seed=seed)
+
+
+def build_rollout_engine(cfg: Any, tokenizer: Any) -> RolloutClient:
+    """The configured engine (``embedded`` or ``vllm``) for the policy architecture."""
+    r = cfg.rollout
+    eos = (tokenizer.eos_id,)
+    sampling = SamplingParams(
+        temperature=r.temperature,
+        top_p=r.top_p,
+        max_new_tokens=r.max_new_tokens,
+        stop_token_ids=eos,
+    )
+    hf_config = hf_config_from_model_config(cfg.model)
+    hf_config["eos_token_id"] = tokenizer.eos_id
+    hf_config["pad_token_id"] = tokenizer.pad_id
+    max_len = r.max_prompt_len + r.max_new_tokens
+    if r.engine == "embedded":
+        from reco_megatron.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
+
+        device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+        engine: RolloutEngine = EmbeddedEngine(
+            hf_config,
+            EmbeddedEngineConfig(max_model_len=max_len, seed=cfg.trainer.seed, device=device,
+                                 eos_token_ids=eos),
+        )
+    else:
+        from reco_megatron.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
+
+        engine = VLLMEngine(
+            hf_config,
+            VLLMEngineConfig(
+                tensor_parallel_size=cfg.parallel.tensor_model_parallel_size,
+                max_model_len=max_len,
+                gpu_memory_utilization=r.gpu_memory_utilization,
+                seed=cfg.trainer.seed,
+            ),
+        )
+    return RolloutClient(engine, sampling)
+
+
+def all_stage_hf_weights(model_chunks: list[Any], model_cfg: ModelConfig):
+    """Every HF tensor of the model on every rank (collective over TP and PP)."""
+    from megatron.core import parallel_state as ps
+
+    pp = ps.get_pipeline_model_parallel_world_size()
+    if pp == 1:
+        yield from export_hf_weights(model_chunks, model_cfg)
+        return
+    plans = stage_plans(model_chunks, model_cfg)
+    group = ps.get_pipeline_model_parallel_group()
+    ranks = dist.get_process_group_ranks(group)
+    me = ps.get_pipeline_model_parallel_rank()
+    local = export_hf_weights(model_chunks, model_cfg)
+    for stage in range(pp):
+        for name, shape, dtype in plans[stage]:
+            if stage == me:
+                got_name, tensor = next(local)
+                if got_name != name:
+                    raise RuntimeError(f"export order changed: expected {name}, got {got_name}")
+                buf = tensor.detach().contiguous().clone()
+            else:
+                buf = torch.empty(shape, dtype=dtype, device=_device())
+            dist.broadcast(buf, src=ranks[stage], group=group)
+            yield name, buf
+    for _ in local:  # exhaust (collectives inside the export generator)
+        pass
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else (
+        torch.device("cpu")
+    )
+
+
+def sync_weights(engine: Any, rollout: RolloutClient, model_cfg: ModelConfig) -> None:
+    """Stream the current policy into the rollout engine (collective)."""
+    rollout.update_weights(all_stage_hf_weights(engine.unwrapped(), model_cfg))
