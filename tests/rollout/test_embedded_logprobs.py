@@ -70,12 +70,12 @@ def test_greedy_is_argmax_with_untempered_logprobs(engine, ref_model) -> None:
 
 
 def test_batching_does_not_change_samples(ref_model) -> None:
-    sampling = SamplingParams(temperature=0.9, max_new_tokens=8, seed=11)
+    sampling = SamplingParams(temperature=0.9, max_new_tokens=6, seed=11)
     outs = []
-    for size in (1, 3, 64):
+    for size in (1, 3, 64):  # 6 rows: one per chunk, two chunks of 3, one chunk
         engine = EmbeddedEngine(TINY_LLAMA, EmbeddedEngineConfig(max_batch_size=size))
         engine.update_weights(ref_model.state_dict().items())
-        outs.append(engine.generate(PROMPTS, 2, sampling))
+        outs.append(engine.generate(PROMPTS[:3], 2, sampling))
     for other in outs[1:]:
         for g0, g1 in zip(outs[0], other, strict=True):
             for c0, c1 in zip(g0, g1, strict=True):
