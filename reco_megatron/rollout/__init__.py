@@ -1,0 +1,33 @@
+"""Rollout engines: generate ``n`` responses per prompt with per-token log-probs.
+
+``base`` (the protocol: :class:`SamplingParams`, :class:`Completion`, :class:`RolloutEngine`),
+``embedded`` (``transformers`` on CPU, the default), ``vllm_engine`` (colocated vLLM on GPUs,
+imports vLLM lazily) and ``mismatch`` (train/rollout log-prob metrics, TIS weights). This layer
+takes Hugging Face-named tensors and never imports megatron. See ``docs/rollout.md``.
+"""
+
+from reco_megatron.rollout.base import (
+    Completion,
+    FinishReason,
+    RolloutEngine,
+    SamplingParams,
+    validate_requests,
+)
+from reco_megatron.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
+from reco_megatron.rollout.mismatch import logprob_mismatch, mismatch_metrics, tis_weights
+from reco_megatron.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
+
+__all__ = [
+    "Completion",
+    "EmbeddedEngine",
+    "EmbeddedEngineConfig",
+    "FinishReason",
+    "RolloutEngine",
+    "SamplingParams",
+    "VLLMEngine",
+    "VLLMEngineConfig",
+    "logprob_mismatch",
+    "mismatch_metrics",
+    "tis_weights",
+    "validate_requests",
+]

@@ -1,0 +1,228 @@
+"""The rollout protocol: what the trainer asks of any generation engine.
+
+The trainer (1) streams the policy's weights as Hugging Face-named full tensors into an engine
+(:meth:`RolloutEngine.update_weights`), (2) asks for ``n`` responses per prompt with per-token
+log-probs (:meth:`RolloutEngine.generate`), (3) lets the engine give its memory back while it
+trains (:meth:`RolloutEngine.sleep` / :meth:`RolloutEngine.wake`).
+
+Log-prob convention (the same for every engine, see ``docs/rollout.md``): the ``t``-th entry of
+:attr:`Completion.logprobs` is ``log softmax(logits / temperature)[token_ids[t]]`` where the
+logits are those the model produces for ``prompt + token_ids[:t]`` -- the temperature-scaled
+distribution *before* top-p/top-k truncation. The trainer computes ``log p`` under
+temperature-scaled logits over the whole vocabulary, so that is the number a rollout must
+report for the train/inference mismatch to mean anything; top-p/top-k are sampling devices that
+change which tokens can be drawn, not the policy being optimised. (vLLM's ``processed_logprobs``
+are taken *after* truncation; :mod:`reco_megatron.rollout.vllm_engine` documents the gap.)
+With ``temperature == 0`` (greedy) the log-probs are those of ``log softmax(logits)``.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+FinishReason = Literal["stop", "length"]
+FINISH_REASONS: tuple[str, ...] = ("stop", "length")
+
+
+@dataclass(kw_only=True, frozen=True)
+class SamplingParams:
+    """How to sample responses; validated on construction (errors quote the bad value)."""
+
+    temperature: float = 1.0
+    """Softmax temperature (>= 0); ``0`` means greedy decoding. Log-probs are reported under
+    ``logits / temperature`` (under the raw logits when greedy)."""
+
+    top_p: float = 1.0
+    """Nucleus truncation for sampling only, in (0, 1]; ``1`` disables it."""
+
+    top_k: int = 0
+    """Keep only the ``top_k`` most likely tokens for sampling (>= 0); ``0`` disables it."""
+
+    max_new_tokens: int = 256
+    """Most response tokens per completion (>= 1); a completion that reaches it without a stop
+    token ends with ``finish_reason == "length"``."""
+
+    seed: int | None = None
+    """Seed of this call's sampling RNG; ``None`` derives it from the engine's seed and call
+    counter (reproducible given the engine state, see ``EmbeddedEngine.state_dict``)."""
+
+    stop_token_ids: tuple[int, ...] = ()
+    """Extra token ids that end a response (on top of the model's eos ids); the stop token is
+    part of the response and carries a log-prob."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.temperature, int | float) or not math.isfinite(self.temperature):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if self.temperature < 0:
+            raise ValueError(
+                f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}; "
+                "use e.g. temperature=1.0 for RL sampling"
+            )
+        if not isinstance(self.top_p, int | float) or not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1] (1 disables it), got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0 disables it), got {self.top_k!r}")
+        if (
+            isinstance(self.max_new_tokens, bool)
+            or not isinstance(self.max_new_tokens, int)
+            or self.max_new_tokens < 1
+        ):
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int)
+        ):
+            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        stops = tuple(self.stop_token_ids)
+        bad = [t for t in stops if isinstance(t, bool) or not isinstance(t, int) or t < 0]
+        if bad:
+            raise ValueError(f"stop_token_ids must be non-negative ints, got {bad!r}")
+        object.__setattr__(self, "stop_token_ids", stops)
+
+    @property
+    def greedy(self) -> bool:
+        """True when ``temperature == 0`` (argmax decoding)."""
+        return self.temperature == 0
+
+
+@dataclass(kw_only=True, frozen=True)
+class Completion:
+    """One sampled response to one prompt."""
+
+    prompt_index: int
+    """Index of the prompt in the ``generate`` call."""
+
+    sample_index: int
+    """Which of the ``n`` samples of that prompt this is (``0 .. n-1``)."""
+
+    token_ids: list[int]
+    """Response tokens ``[T]``, without the prompt; ends with the stop token when
+    ``finish_reason == "stop"``."""
+
+    logprobs: list[float]
+    """``[T]``: entry ``t`` is ``log softmax(logits_t / temperature)[token_ids[t]]`` with
+    ``logits_t`` the model's output for ``prompt + token_ids[:t]`` (before top-p/top-k)."""
+
+    finish_reason: FinishReason
+    """``"stop"`` (an eos/stop token was sampled) or ``"length"`` (``max_new_tokens`` hit)."""
+
+    def __post_init__(self) -> None:
+        if len(self.token_ids) != len(self.logprobs):
+            raise ValueError(
+                f"completion of prompt {self.prompt_index}: {len(self.token_ids)} tokens but "
+                f"{len(self.logprobs)} log-probs"
+            )
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(
+                f"finish_reason must be one of {FINISH_REASONS}, got {self.finish_reason!r}"
+            )
+
+
+def validate_requests(
+    prompt_token_ids: Sequence[Sequence[int]],
+    n: int,
+    sampling: SamplingParams,
+    *,
+    max_model_len: int,
+    vocab_size: int,
+) -> None:
+    """Reject requests no engine should run, naming the prompt index.
+
+    Raises :class:`ValueError` for: ``n < 1``, no prompts, an empty prompt, a non-int or
+    out-of-vocabulary token id (``[0, vocab_size)``), a prompt longer than ``max_model_len``, or
+    ``len(prompt) + max_new_tokens > max_model_len`` (which would make the engine cut the
+    response short for a reason other than the caller's ``max_new_tokens``).
+    """
+    if not isinstance(sampling, SamplingParams):
+        raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n (responses per prompt) must be an int >= 1, got {n!r}")
+    if isinstance(prompt_token_ids, str | bytes) or len(prompt_token_ids) == 0:
+        raise ValueError("prompt_token_ids must be a non-empty list of token-id lists")
+    budget = max_model_len - sampling.max_new_tokens
+    for i, prompt in enumerate(prompt_token_ids):
+        if isinstance(prompt, str | bytes):
+            raise ValueError(f"prompt {i} is a string; pass token ids (tokenize first)")
+        length = len(prompt)
+        if length == 0:
+            raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
+        if length > max_model_len:
+            raise ValueError(
+                f"prompt {i} has {length} tokens, more than the engine's max_model_len "
+                f"{max_model_len}; shorten or filter it"
+            )
+        if length > budget:
+            raise ValueError(
+                f"prompt {i} has {length} tokens; with max_new_tokens={sampling.max_new_tokens} "
+                f"that is {length + sampling.max_new_tokens} > max_model_len {max_model_len}; "
+                "lower max_new_tokens or filter long prompts"
+            )
+        for pos, tok in enumerate(prompt):
+            if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < vocab_size:
+                raise ValueError(
+                    f"prompt {i}, position {pos}: token id {tok!r} is not an int in "
+                    f"[0, vocab_size={vocab_size})"
+                )
+    bad_stops = [t for t in sampling.stop_token_ids if t >= vocab_size]
+    if bad_stops:
+        raise ValueError(f"stop_token_ids {bad_stops!r} are outside [0, vocab_size={vocab_size})")
+
+
+class RolloutEngine(abc.ABC):
+    """A generation engine the trainer drives; implementations: embedded (CPU) and vLLM.
+
+    Call order per RL step: ``wake()`` -> ``update_weights(stream)`` -> ``generate(...)`` ->
+    ``sleep()`` -> train. ``generate`` refuses to run before weights were loaded once.
+    """
+
+    @property
+    @abc.abstractmethod
+    def max_model_len(self) -> int:
+        """Longest ``prompt + response`` (tokens) the engine accepts."""
+
+    @property
+    @abc.abstractmethod
+    def vocab_size(self) -> int:
+        """Number of token ids the model embeds; valid ids are ``[0, vocab_size)``."""
+
+    @abc.abstractmethod
+    def generate(
+        self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams
+    ) -> list[list[Completion]]:
+        """``n`` completions for each prompt: ``result[i][j]`` is sample ``j`` of prompt ``i``.
+
+        Bad input raises :class:`ValueError` naming the prompt (see :func:`validate_requests`).
+        """
+
+    @abc.abstractmethod
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load a full set of Hugging Face-named tensors (consumed once, in any order)."""
+
+    @abc.abstractmethod
+    def sleep(self) -> None:
+        """Release what memory the engine can (KV cache, weights to host) while training."""
+
+    @abc.abstractmethod
+    def wake(self) -> None:
+        """Undo :meth:`sleep`; ``generate`` then works again."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook, no-op by default
+        """Free every resource; the engine is unusable afterwards."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Sampler state to checkpoint (RNG seed and call counter); empty if stateless."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:  # noqa: B027
+        """Restore :meth:`state_dict` after a resume."""
+
+    def __enter__(self) -> RolloutEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

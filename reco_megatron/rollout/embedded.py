@@ -1,0 +1,393 @@
+"""The embedded rollout engine: ``transformers`` on CPU (or one GPU), the debug default.
+
+Why ``transformers``: the model is built from the policy's Hugging Face config and receives its
+weights through :meth:`EmbeddedEngine.update_weights` -- the very ``(hf_name, full_tensor)``
+stream vLLM's ``load_weights`` receives on a GPU cluster. A CPU run therefore exercises the
+Megatron -> HF export end to end, and a name or layout error shows up on a laptop.
+
+Why our own KV-cached loop instead of ``model.generate``: (1) ``generate`` samples with
+``torch.multinomial`` on the *global* RNG, so results would depend on whatever else consumed
+it; here every call draws its noise from a :class:`torch.Generator` seeded by (engine seed,
+call index) or ``SamplingParams.seed``, and the engine's sampler state is two integers
+(:meth:`state_dict`); (2) ``generate``'s ``output_scores`` are the logits *after* top-p/top-k
+warping, while the trainer needs ``log softmax(logits / T)`` before truncation; computing it in
+the loop makes the alignment explicit: the log-prob recorded at step ``t`` comes from the
+logits that produced token ``t`` (see ``docs/rollout.md``). Speed is secondary.
+
+Sampling is inverse-CDF with one uniform per (row, step), all drawn up front for the call, so a
+row's randomness does not depend on how rows are chunked into batches (``max_batch_size``).
+Prompts of a chunk are left-padded; padded positions are masked out of attention and position
+ids count real tokens only, so padding and the KV cache leave log-probs unchanged (tested
+against a teacher-forced forward to 1e-5).
+
+Run it: ``EmbeddedEngine(hf_config_dict)`` then ``update_weights(state_dict.items())`` and
+``generate(prompts, n, SamplingParams(...))``; one CPU is enough for a tiny model.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import inspect
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from reco_megatron.rollout.base import (
+    Completion,
+    RolloutEngine,
+    SamplingParams,
+    validate_requests,
+)
+from reco_megatron.rollout.sampling import sample_next
+from reco_megatron.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(kw_only=True)
+class EmbeddedEngineConfig:
+    """Settings of :class:`EmbeddedEngine`."""
+
+    max_model_len: int | None = None
+    """Longest ``prompt + response``; ``None`` takes the HF config's
+    ``max_position_embeddings``."""
+
+    max_batch_size: int = 64
+    """Rows (prompt copies) per forward pass; bounds memory, never changes the samples."""
+
+    seed: int = 0
+    """Base seed of the sampler; call ``k`` without ``SamplingParams.seed`` uses a seed
+    derived from ``(seed, k)``."""
+
+    device: str = "cpu"
+    """Torch device of the model (``"cpu"`` or ``"cuda:N"``)."""
+
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype; log-probs are always computed in fp32 from the logits."""
+
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    """``transformers`` attention kernel; both give the same log-probs to ~1e-6 on CPU."""
+
+    eos_token_ids: tuple[int, ...] | None = None
+    """Token ids that end a response; ``None`` takes ``eos_token_id`` of the HF config."""
+
+    def __post_init__(self) -> None:
+        if self.max_model_len is not None and (
+            not isinstance(self.max_model_len, int) or self.max_model_len < 2
+        ):
+            raise ValueError(
+                f"max_model_len must be an int >= 2 or None, got {self.max_model_len!r}"
+            )
+        if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be an int >= 1, got {self.max_batch_size!r}")
+        if not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {tuple(_DTYPES)}, got {self.dtype!r}")
+        if self.attn_implementation not in ("sdpa", "eager"):
+            raise ValueError(
+                f"attn_implementation must be 'sdpa' or 'eager', got {self.attn_implementation!r}"
+            )
+        if self.eos_token_ids is not None:
+            self.eos_token_ids = tuple(self.eos_token_ids)
+
+
+def call_seed(base_seed: int, call_index: int) -> int:
+    """Seed of call ``call_index`` of an engine seeded ``base_seed`` (stable across runs)."""
+    digest = hashlib.sha256(f"{base_seed}:{call_index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def _build_model(hf_config: Any, cfg: EmbeddedEngineConfig) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+    if isinstance(hf_config, PretrainedConfig):
+        config = hf_config
+    elif isinstance(hf_config, Mapping):
+        fields = dict(hf_config)
+        if "model_type" not in fields:
+            raise ValueError(
+                f"hf_config needs a 'model_type' (e.g. 'llama'); got keys {sorted(fields)[:10]}"
+            )
+        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    else:
+        raise TypeError(f"hf_config must be a dict or PretrainedConfig, got {type(hf_config)}")
+    # Random init draws from the global RNG: fork it so building an engine leaves it untouched.
+    with torch.random.fork_rng(devices=[]):
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=_DTYPES[cfg.dtype], attn_implementation=cfg.attn_implementation
+        )
+    return model.to(cfg.device).eval()
+
+
+class EmbeddedEngine(RolloutEngine):
+    """``transformers`` generation with a KV cache and a controlled sampler RNG.
+
+    ``hf_config`` is the policy's Hugging Face config (a dict with ``model_type`` or a
+    ``PretrainedConfig``). Weights must be pushed with :meth:`update_weights` before the first
+    :meth:`generate` (the random init is never sampled from).
+    """
+
+    def __init__(self, hf_config: Any, config: EmbeddedEngineConfig | None = None) -> None:
+        self.config = config or EmbeddedEngineConfig()
+        self.model = _build_model(hf_config, self.config)
+        hf = self.model.config
+        self._vocab_size = int(hf.vocab_size)
+        self._max_model_len = self.config.max_model_len or int(hf.max_position_embeddings)
+        eos = self.config.eos_token_ids
+        if eos is None:
+            raw = hf.eos_token_id
+            eos = () if raw is None else tuple(raw) if isinstance(raw, list | tuple) else (raw,)
+        self._eos_ids = tuple(int(t) for t in eos)
+        self._pad_id = int(hf.pad_token_id) if hf.pad_token_id is not None else 0
+        params = inspect.signature(self.model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._has_logits_to_keep = "logits_to_keep" in params
+        self._seed = self.config.seed
+        self._calls = 0
+        self._weights_loaded = False
+        self._asleep = False
+        self._closed = False
+
+    # ----------------------------------------------------------------- properties
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Token ids that end every response (from the HF config or the engine config)."""
+        return self._eos_ids
+
+    # ----------------------------------------------------------------- weights
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy a full HF-named state dict into the model, strictly.
+
+        Every parameter and persistent buffer must arrive exactly once (tied weights, e.g.
+        ``lm_head.weight`` sharing ``model.embed_tokens.weight``, are satisfied by either name);
+        unknown names, shape mismatches and missing names raise :class:`ValueError` listing them
+        after the whole stream was read. Tensors are cast to the model's dtype and device. After
+        a failed update the engine refuses to generate until a complete update succeeds.
+        """
+        self._check_open()
+        targets = self.model.state_dict(keep_vars=True)
+        group_of: dict[str, int] = {}
+        groups: dict[int, list[str]] = {}
+        for name, tensor in targets.items():
+            key = tensor.untyped_storage().data_ptr() if tensor.numel() else id(tensor)
+            group_of[name] = key
+            groups.setdefault(key, []).append(name)
+        loaded: set[int] = set()
+        seen: set[str] = set()
+        unknown: list[str] = []
+        bad_shape: list[str] = []
+        duplicate: list[str] = []
+        self._weights_loaded = False
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                if name not in targets:
+                    unknown.append(name)
+                    continue
+                if name in seen:
+                    duplicate.append(name)
+                    continue
+                seen.add(name)
+                target = targets[name]
+                if tuple(tensor.shape) != tuple(target.shape):
+                    bad_shape.append(
+                        f"{name}: got {tuple(tensor.shape)}, expected {tuple(target.shape)}"
+                    )
+                    continue
+                target.detach().copy_(tensor.detach())
+                loaded.add(group_of[name])
+        missing = [names[0] for key, names in groups.items() if key not in loaded]
+        problems = []
+        if unknown:
+            hints = {u: difflib.get_close_matches(u, targets, n=1) for u in unknown[:5]}
+            problems.append(
+                f"{len(unknown)} unknown name(s) not in {type(self.model).__name__}'s state "
+                f"dict: {unknown[:5]!r} (closest known: {hints!r})"
+            )
+        if bad_shape:
+            problems.append(f"{len(bad_shape)} shape mismatch(es): {bad_shape[:5]!r}")
+        if duplicate:
+            problems.append(f"{len(duplicate)} name(s) sent twice: {duplicate[:5]!r}")
+        if missing:
+            problems.append(f"{len(missing)} missing name(s): {missing[:5]!r}")
+        if problems:
+            raise ValueError(
+                "update_weights: the stream does not match the model: "
+                + "; ".join(problems)
+                + ". The engine keeps refusing generate until a complete update succeeds."
+            )
+        self._weights_loaded = True
+        logger.debug("embedded engine: loaded %d tensors", len(seen))
+
+    # ----------------------------------------------------------------- generation
+    def generate(
+        self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams
+    ) -> list[list[Completion]]:
+        """``n`` completions per prompt; ``result[i][j]`` is sample ``j`` of prompt ``i``."""
+        self._check_open()
+        validate_requests(
+            prompt_token_ids,
+            n,
+            sampling,
+            max_model_len=self._max_model_len,
+            vocab_size=self._vocab_size,
+        )
+        if self._asleep:
+            raise RuntimeError("the engine is asleep: call wake() before generate()")
+        if not self._weights_loaded:
+            raise RuntimeError(
+                "no weights loaded: call update_weights(named_tensors) with the policy's "
+                "HF-named weights before generate()"
+            )
+        seed = sampling.seed if sampling.seed is not None else call_seed(self._seed, self._calls)
+        self._calls += 1
+        rows = [(i, j) for i in range(len(prompt_token_ids)) for j in range(n)]
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        noise = torch.rand(len(rows), sampling.max_new_tokens, generator=gen, dtype=torch.float64)
+        stop_ids = sorted(set(self._eos_ids) | set(sampling.stop_token_ids))
+        start = time.perf_counter()
+        out: list[list[Completion | None]] = [[None] * n for _ in prompt_token_ids]
+        size = self.config.max_batch_size
+        for lo in range(0, len(rows), size):
+            chunk = rows[lo : lo + size]
+            prompts = [prompt_token_ids[i] for i, _ in chunk]
+            for (i, j), (toks, lps, reason) in zip(
+                chunk,
+                self._generate_chunk(prompts, noise[lo : lo + size], sampling, stop_ids),
+                strict=True,
+            ):
+                out[i][j] = Completion(
+                    prompt_index=i,
+                    sample_index=j,
+                    token_ids=toks,
+                    logprobs=lps,
+                    finish_reason=reason,
+                )
+        n_tokens = sum(len(c.token_ids) for group in out for c in group if c is not None)
+        logger.debug(
+            "embedded generate: %d rows, %d tokens in %.2fs",
+            len(rows),
+            n_tokens,
+            time.perf_counter() - start,
+        )
+        return [[c for c in group if c is not None] for group in out]
+
+    @torch.inference_mode()
+    def _generate_chunk(
+        self,
+        prompts: list[list[int]],
+        noise: torch.Tensor,
+        sampling: SamplingParams,
+        stop_ids: list[int],
+    ) -> list[tuple[list[int], list[float], str]]:
+        """Decode one left-padded chunk. ``noise``: ``[b, max_new_tokens]`` uniforms."""
+        from transformers import DynamicCache
+
+        device = torch.device(self.config.device)
+        b, width = len(prompts), max(len(p) for p in prompts)
+        input_ids = torch.full((b, width), self._pad_id, dtype=torch.long)
+        attn = torch.zeros(b, width, dtype=torch.long)
+        for r, p in enumerate(prompts):
+            input_ids[r, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            attn[r, width - len(p) :] = 1
+        input_ids, attn = input_ids.to(device), attn.to(device)
+        positions = (attn.cumsum(-1) - 1).clamp(min=0)
+        try:
+            cache = DynamicCache(config=self.model.config)
+        except TypeError:  # older transformers: no config argument
+            cache = DynamicCache()
+        extra = {"logits_to_keep": 1} if self._has_logits_to_keep else {}
+        stops = torch.tensor(stop_ids, dtype=torch.long, device=device)
+        tokens, logps = [], []
+        finished = torch.zeros(b, dtype=torch.bool, device=device)
+        length = torch.full((b,), sampling.max_new_tokens, dtype=torch.long, device=device)
+        step_input, step_pos = input_ids, positions
+        for t in range(sampling.max_new_tokens):
+            logits = (
+                self.model(
+                    input_ids=step_input,
+                    attention_mask=attn,
+                    position_ids=step_pos,
+                    use_cache=True,
+                    **{self._cache_kw: cache},
+                    **extra,
+                )
+                .logits[:, -1]
+                .float()
+            )
+            tok, logp = sample_next(logits, noise[:, t].to(device), sampling)
+            tok = torch.where(finished, torch.full_like(tok, self._pad_id), tok)
+            tokens.append(tok)
+            logps.append(logp)
+            hit = torch.isin(tok, stops) & ~finished
+            length = torch.where(hit, torch.full_like(length, t + 1), length)
+            finished |= hit
+            if bool(finished.all()) or t + 1 == sampling.max_new_tokens:
+                break
+            attn = torch.cat([attn, torch.ones(b, 1, dtype=attn.dtype, device=device)], dim=1)
+            step_input, step_pos = tok[:, None], attn.sum(-1, keepdim=True) - 1
+        tok_mat = torch.stack(tokens, 1).cpu()
+        lp_mat = torch.stack(logps, 1).cpu()
+        results = []
+        for r in range(b):
+            keep = int(length[r])
+            reason = "stop" if bool(finished[r]) else "length"
+            results.append((tok_mat[r, :keep].tolist(), lp_mat[r, :keep].tolist(), reason))
+        return results
+
+    # ----------------------------------------------------------------- memory and state
+    def sleep(self) -> None:
+        """Move weights to host memory on GPU; on CPU nothing is held between calls (the KV
+        cache lives only inside :meth:`generate`), so sleep only marks the engine."""
+        self._check_open()
+        if self._asleep:
+            return
+        if torch.device(self.config.device).type == "cuda":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+        self._asleep = True
+
+    def wake(self) -> None:
+        """Bring weights back to the engine's device; ``generate`` works again."""
+        self._check_open()
+        if self._asleep and torch.device(self.config.device).type == "cuda":
+            self.model.to(self.config.device)
+        self._asleep = False
+
+    def close(self) -> None:
+        """Drop the model; the engine cannot be used afterwards."""
+        if not self._closed:
+            self.model = None  # type: ignore[assignment]
+            self._closed = True
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"seed", "call_index"}``: enough to replay the sampler exactly after a resume."""
+        return {"seed": self._seed, "call_index": self._calls}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`; the next call samples as the saved engine would have."""
+        missing = {"seed", "call_index"} - set(state)
+        if missing:
+            raise ValueError(f"sampler state lacks {sorted(missing)}; got keys {sorted(state)}")
+        seed, calls = state["seed"], state["call_index"]
+        if not isinstance(seed, int) or not isinstance(calls, int) or calls < 0:
+            raise ValueError(f"bad sampler state {dict(state)!r}: seed int, call_index int >= 0")
+        self._seed, self._calls = seed, calls
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the engine was closed; build a new EmbeddedEngine")

@@ -1,0 +1,68 @@
+"""One sampling step: truncate (top-k, top-p), draw by inverse CDF, report the log-prob.
+
+Pure tensor code shared by the embedded engine and its tests. The reported log-prob is that of
+the temperature-scaled *untruncated* distribution (the trainer's convention, see
+:mod:`reco_megatron.rollout.base`); truncation only decides which tokens can be drawn.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from reco_megatron.rollout.base import SamplingParams
+
+
+def truncation_mask(scaled_logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Tokens kept for sampling: ``[b, V]`` bool.
+
+    ``top_k > 0`` keeps the ``top_k`` largest logits (ties with the k-th are kept);
+    ``top_p < 1`` keeps the smallest set of most likely tokens whose probability reaches
+    ``top_p`` (the most likely token is always kept). Both apply when both are set.
+    """
+    keep = torch.ones_like(scaled_logits, dtype=torch.bool)
+    vocab = scaled_logits.shape[-1]
+    if 0 < top_k < vocab:
+        kth = torch.topk(scaled_logits, top_k, dim=-1).values[:, -1:]
+        keep &= scaled_logits >= kth
+    if top_p < 1.0:
+        masked = scaled_logits.masked_fill(~keep, float("-inf"))
+        probs = torch.softmax(masked, dim=-1)
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        keep_sorted = mass_before < top_p
+        keep_sorted[:, 0] = True
+        keep &= torch.zeros_like(keep).scatter(-1, order, keep_sorted)
+    return keep
+
+
+def sample_next(
+    logits: torch.Tensor, uniforms: torch.Tensor, sampling: SamplingParams
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw the next token of each row and its log-prob.
+
+    Args:
+        logits: ``[b, V]`` fp32 logits of the last position.
+        uniforms: ``[b]`` numbers in ``[0, 1)``, one per row (ignored when greedy).
+        sampling: temperature / top-k / top-p.
+
+    Returns:
+        ``(tokens [b] long, logprobs [b] fp32)`` with ``logprobs`` taken from
+        ``log_softmax(logits / T)`` (``log_softmax(logits)`` when greedy).
+    """
+    logits = logits.float()
+    if sampling.greedy:
+        tokens = logits.argmax(dim=-1)
+        logp = torch.log_softmax(logits, dim=-1)
+        return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+    scaled = logits / sampling.temperature
+    logp = torch.log_softmax(scaled, dim=-1)
+    keep = truncation_mask(scaled, sampling.top_k, sampling.top_p)
+    probs = torch.softmax(scaled.masked_fill(~keep, float("-inf")), dim=-1).double()
+    cdf = torch.cumsum(probs, dim=-1)
+    target = (uniforms.to(cdf) * cdf[:, -1]).unsqueeze(-1)
+    tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    # Rounding can put the target at the very end of the CDF: fall back to the last kept token.
+    vocab = probs.shape[-1]
+    last_kept = vocab - 1 - torch.flip(probs > 0, dims=[-1]).long().argmax(dim=-1)
+    tokens = torch.minimum(tokens, last_kept)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
