@@ -1,0 +1,156 @@
+"""Export a reco-megatron training checkpoint to a Hugging Face model directory.
+
+Usage (one process, CPU; the checkpoint may have been written at any TP/PP, it reshards)::
+
+    python -m reco_megatron.export CKPT_DIR HF_OUT_DIR [--tokenizer TOKENIZER_DIR]
+    reco-export runs/llama8b/checkpoints hf/llama8b-reco --tokenizer meta-llama/...local-dir
+
+``CKPT_DIR`` is a ``step_*`` directory or the checkpoint root holding ``latest``. The model is
+rebuilt at TP=PP=1 from ``meta.json`` (``layout.model``), the model weights are loaded
+(optimizer state and RNG are skipped), and ``config.json`` + ``model.safetensors`` (sharded
+at ``--max-shard-size``) are written; ``transformers`` and vLLM load the result. Memory: the
+whole model in its saved dtype, plus one tensor. megatron-bridge is not needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import socket
+from dataclasses import replace
+from pathlib import Path
+
+from reco_megatron.utils.logging import get_logger
+
+logger = get_logger("reco_megatron.export")
+
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+}
+
+
+def parse_size(text: str) -> int:
+    """``"5GB"``, ``"500MiB"`` or a byte count -> bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    if match is None or match.group(2).upper() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 5GB, 500MiB, 1000000)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A ``step_*`` directory from itself or from a root holding ``latest``."""
+    from reco_megatron.megatron.checkpoint import CheckpointError, latest_checkpoint
+
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint directory {path} does not exist")
+    if (path / "meta.json").is_file():
+        return path
+    latest = latest_checkpoint(path)
+    if latest is None:
+        raise CheckpointError(
+            f"{path} is neither a checkpoint (no meta.json) nor a checkpoint root (no 'latest'): "
+            "pass the directory given to save_checkpoint or one of its step_* directories"
+        )
+    return latest
+
+
+def _free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def export_checkpoint(
+    checkpoint: str | Path,
+    out_dir: str | Path,
+    tokenizer_dir: str | Path | None = None,
+    *,
+    max_shard_size: int | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Convert a reco-megatron checkpoint to a Hugging Face directory (see module doc).
+
+    Runs in one process (a world of 1 is started when ``torch.distributed`` is not).
+    """
+    import torch.distributed as dist
+
+    from reco_megatron.megatron.checkpoint import CheckpointError, read_meta
+    from reco_megatron.megatron.checkpoint_compat import load_model_and_optimizer
+    from reco_megatron.megatron.distributed import ParallelConfig, initialize_parallel
+    from reco_megatron.megatron.hf_checkpoint import DEFAULT_MAX_SHARD_SIZE, save_hf_checkpoint
+    from reco_megatron.megatron.model import ModelConfig, build_model, transformer_config
+
+    path = resolve_checkpoint(checkpoint)
+    meta = read_meta(path)
+    try:
+        saved = ModelConfig(**meta["layout"]["model"])
+        saved_tp = int(meta["layout"]["tensor_model_parallel_size"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{path}/meta.json has no valid layout.model ({exc})") from exc
+    # Same padded vocabulary as the saved run, so the embedding shards line up at TP=1.
+    model_cfg = replace(
+        saved, make_vocab_size_divisible_by=saved.make_vocab_size_divisible_by * saved_tp
+    )
+    if dist.is_initialized() and dist.get_world_size() != 1:
+        raise RuntimeError("export_checkpoint runs in a single process (world size 1)")
+    if not dist.is_initialized() and "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = _free_port()
+    parallel = ParallelConfig()
+    initialize_parallel(parallel, seed=0)
+    config = transformer_config(model_cfg, parallel, on_gpu=False)
+    model = build_model(model_cfg, config, pre_process=True, post_process=True, on_gpu=False)
+    try:
+        load_model_and_optimizer(str(path / "dist"), [model], None)
+    except Exception as exc:
+        raise CheckpointError(
+            f"could not read the model weights of {path} ({type(exc).__name__}: {exc})"
+        ) from exc
+    out = save_hf_checkpoint(
+        out_dir,
+        [model],
+        saved,
+        tokenizer_dir,
+        max_shard_size=max_shard_size or DEFAULT_MAX_SHARD_SIZE,
+        overwrite=overwrite,
+    )
+    logger.info("exported %s (step %s) -> %s", path, meta.get("step"), out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point ``reco-export``; returns the exit status (2 on a bad input)."""
+    parser = argparse.ArgumentParser(prog="reco-export", description=__doc__.split("\n")[0])
+    parser.add_argument("checkpoint", help="step_* directory or checkpoint root with 'latest'")
+    parser.add_argument("out_dir", help="Hugging Face output directory (created)")
+    parser.add_argument("--tokenizer", default=None, help="directory to copy tokenizer files from")
+    parser.add_argument("--max-shard-size", type=parse_size, default=None, help="e.g. 5GB")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty out_dir")
+    args = parser.parse_args(argv)
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU export: no device memory needed
+    from reco_megatron.megatron.checkpoint import CheckpointError
+
+    try:
+        export_checkpoint(
+            args.checkpoint,
+            args.out_dir,
+            args.tokenizer,
+            max_shard_size=args.max_shard_size,
+            overwrite=args.overwrite,
+        )
+    except (CheckpointError, FileExistsError, FileNotFoundError) as exc:
+        logger.error("%s", exc)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,198 @@
+"""Hugging Face ``config.json`` <-> :class:`~reco_megatron.megatron.model.ModelConfig`.
+
+Supported: ``model_type`` ``llama`` (Llama 2/3/3.1/3.2, no biases) and ``qwen2`` (Qwen2 /
+Qwen2.5, bias on q/k/v only), SwiGLU (``hidden_act: silu``), RMSNorm, RoPE with or without
+Llama-3 scaling. Both config generations are read: transformers 4.x (``rope_theta`` +
+``rope_scaling``) and 5.x (``rope_parameters``); :func:`hf_config_from_model_config` writes
+the 4.x keys, which transformers 5.x and vLLM also read. Anything the Megatron model would
+compute differently is refused with the offending field and value, never silently dropped.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from reco_megatron.megatron.model import ModelConfig
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# megatron-core's RotaryEmbedding._apply_scaling hard-codes these (0.16 and 0.19); only the
+# factor is configurable, so a checkpoint with other values cannot be reproduced.
+LLAMA3_FIXED = {
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+class HFConfigError(ValueError):
+    """A Hugging Face config that this Megatron model cannot reproduce."""
+
+
+def read_hf_config(config: str | Path | dict[str, Any]) -> dict[str, Any]:
+    """The config as a dict, from a dict, a ``config.json`` path or a model directory."""
+    if isinstance(config, dict):
+        return dict(config)
+    path = Path(config)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise HFConfigError(f"{path} does not exist: pass a Hugging Face model directory")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise HFConfigError(f"{path} is not valid JSON ({exc})") from exc
+
+
+def _rope(cfg: dict[str, Any]) -> tuple[float, float | None]:
+    """(rope_theta, llama3 scaling factor or None) from either config generation."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict):
+        theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        scaling: dict[str, Any] | None = params
+    else:
+        theta = cfg.get("rope_theta", 10000.0)
+        scaling = cfg.get("rope_scaling")
+    if not scaling:
+        return float(theta), None
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return float(theta), None
+    if kind != "llama3":
+        raise HFConfigError(
+            f"rope_scaling type {kind!r} is not supported (only 'llama3' scaling, as in "
+            "Llama-3.1, or none): megatron's rotary embedding cannot reproduce it"
+        )
+    for key, expected in LLAMA3_FIXED.items():
+        if key in scaling and float(scaling[key]) != expected:
+            raise HFConfigError(
+                f"rope_scaling.{key}={scaling[key]!r} is not supported: megatron-core fixes it "
+                f"to {expected} (Llama-3.1/3.2 use that value)"
+            )
+    if "factor" not in scaling:
+        raise HFConfigError(f"rope_scaling {scaling!r} of type 'llama3' has no 'factor'")
+    return float(theta), float(scaling["factor"])
+
+
+def _refuse(cfg: dict[str, Any], key: str, allowed: Any, why: str) -> None:
+    if key in cfg and cfg[key] is not None and cfg[key] != allowed:
+        raise HFConfigError(f"{key}={cfg[key]!r} is not supported ({why}); expected {allowed!r}")
+
+
+def model_config_from_hf(config: str | Path | dict[str, Any], **overrides: Any) -> ModelConfig:
+    """The :class:`ModelConfig` of a Llama/Qwen2 Hugging Face config.
+
+    Args:
+        config: a ``config.json`` dict, its path, or the model directory holding it.
+        overrides: ModelConfig fields that are run choices rather than architecture
+            (``params_dtype``, ``make_vocab_size_divisible_by``, ``max_position_embeddings``).
+
+    Raises:
+        HFConfigError: naming the field when the architecture cannot be reproduced.
+    """
+    cfg = read_hf_config(config)
+    family = cfg.get("model_type")
+    if family not in ARCHITECTURES:
+        raise HFConfigError(
+            f"model_type={family!r} is not supported: use a 'llama' or 'qwen2' checkpoint"
+        )
+    for key in (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "vocab_size",
+    ):
+        if key not in cfg:
+            raise HFConfigError(f"config has no {key!r}: is this a {family} config.json?")
+    _refuse(cfg, "hidden_act", "silu", "the Megatron model uses SwiGLU")
+    _refuse(cfg, "mlp_bias", False, "the Megatron model has no MLP biases")
+    if family == "llama":
+        _refuse(cfg, "attention_bias", False, "Llama in Megatron has no attention biases")
+    else:
+        _refuse(cfg, "use_sliding_window", False, "sliding-window attention is not built")
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim")
+    if head_dim is not None and head_dim * heads != cfg["hidden_size"]:
+        raise HFConfigError(
+            f"head_dim={head_dim} with num_attention_heads={heads} does not give "
+            f"hidden_size={cfg['hidden_size']}: decoupled head widths are not supported"
+        )
+    theta, factor = _rope(cfg)
+    kwargs: dict[str, Any] = dict(
+        family=family,
+        num_layers=cfg["num_hidden_layers"],
+        hidden_size=cfg["hidden_size"],
+        ffn_hidden_size=cfg["intermediate_size"],
+        num_attention_heads=heads,
+        num_query_groups=cfg.get("num_key_value_heads") or heads,
+        vocab_size=cfg["vocab_size"],
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        rotary_base=theta,
+        rope_scaling_factor=factor,
+        norm_epsilon=float(cfg.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+    )
+    unknown = set(overrides) - {f.name for f in fields(ModelConfig)}
+    if unknown:
+        raise HFConfigError(f"unknown ModelConfig fields in overrides: {sorted(unknown)}")
+    kwargs.update(overrides)
+    return ModelConfig(**kwargs)
+
+
+def hf_config_from_model_config(model: ModelConfig) -> dict[str, Any]:
+    """A ``config.json`` dict that ``transformers`` (4.x and 5.x) and vLLM load."""
+    cfg: dict[str, Any] = {
+        "architectures": [ARCHITECTURES[model.family]],
+        "model_type": model.family,
+        "hidden_size": model.hidden_size,
+        "intermediate_size": model.ffn_hidden_size,
+        "num_hidden_layers": model.num_layers,
+        "num_attention_heads": model.num_attention_heads,
+        "num_key_value_heads": model.query_groups,
+        "head_dim": model.head_dim,
+        "vocab_size": model.vocab_size,
+        "max_position_embeddings": model.max_position_embeddings,
+        "rms_norm_eps": model.norm_epsilon,
+        "rope_theta": model.rotary_base,
+        "rope_scaling": None,
+        "tie_word_embeddings": model.tie_word_embeddings,
+        "hidden_act": "silu",
+        "torch_dtype": model.params_dtype,
+        "initializer_range": model.init_method_std,
+        "attention_dropout": 0.0,
+        "use_cache": True,
+    }
+    if model.rope_scaling_factor is not None:
+        cfg["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": model.rope_scaling_factor,
+            **LLAMA3_FIXED,
+        }
+    if model.family == "llama":
+        cfg.update(attention_bias=False, mlp_bias=False)
+    else:
+        cfg.update(use_sliding_window=False, sliding_window=None)
+    return cfg
+
+
+def architecture_mismatches(a: ModelConfig, b: ModelConfig) -> list[str]:
+    """Fields that change the weights or the function computed (not dtype/padding/length)."""
+    ignored = {
+        "params_dtype",
+        "init_method_std",
+        "make_vocab_size_divisible_by",
+        "max_position_embeddings",
+    }
+    out = []
+    for f in fields(ModelConfig):
+        if f.name in ignored:
+            continue
+        va, vb = getattr(a, f.name), getattr(b, f.name)
+        if f.name == "num_query_groups":
+            va, vb = a.query_groups, b.query_groups
+        if va != vb:
+            out.append(f"{f.name}: {va!r} vs {vb!r}")
+    return out
