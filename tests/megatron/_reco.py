@@ -1,5 +1,6 @@
 """Shared pieces of the ReCo engine tests: a tiny Llama-style model, a rollout batch, and
-helpers to move full (TP=1, PP=1) weights in and out of any parallel layout.
+helpers to move full (TP=1, PP=1) weights in and out of any parallel layout (with the
+product's own ``convert.shard_tp`` / ``gather_tp``).
 
 Parallel runs get *copies* of one reference set of weights, so a comparison fails only when
 the parallel computation differs. The model uses every architectural feature the engine
@@ -19,6 +20,7 @@ import torch.distributed as dist
 
 from reco_megatron.algo import LossConfig
 from reco_megatron.megatron.batch import RolloutBatch, data_parallel_share
+from reco_megatron.megatron.convert import gather_tp, shard_tp
 from reco_megatron.megatron.distributed import ParallelConfig, initialize_parallel
 from reco_megatron.megatron.engine import ReCoEngine, UpdateConfig
 from reco_megatron.megatron.model import ModelConfig
@@ -126,36 +128,6 @@ def global_name(name: str, num_layers: int) -> str:
     return re.sub(r"layers\.(\d+)\.", lambda m: f"layers.{int(m.group(1)) + offset}.", name)
 
 
-def _is_gated(name: str) -> bool:
-    return name.endswith("mlp.linear_fc1.weight")
-
-
-def _shard(full: torch.Tensor, param: torch.Tensor, name: str) -> torch.Tensor:
-    from megatron.core import parallel_state as ps
-
-    if not getattr(param, "tensor_model_parallel", False):
-        return full
-    tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-    if _is_gated(name):  # [gate; up]: each rank holds [gate_r; up_r]
-        gate, up = full.chunk(2, dim=0)
-        return torch.cat([gate.chunk(tp)[rank], up.chunk(tp)[rank]])
-    return full.chunk(tp, dim=param.partition_dim)[rank]
-
-
-def _gather(tensor: torch.Tensor, param: torch.Tensor, name: str) -> torch.Tensor:
-    from megatron.core import parallel_state as ps
-
-    if not getattr(param, "tensor_model_parallel", False):
-        return tensor.detach().clone()
-    group = ps.get_tensor_model_parallel_group()
-    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, tensor.detach().contiguous(), group=group)
-    if _is_gated(name):
-        halves = [p.chunk(2, dim=0) for p in parts]
-        return torch.cat([torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])])
-    return torch.cat(parts, dim=param.partition_dim)
-
-
 def load_full(engine: ReCoEngine, full: dict[str, torch.Tensor]) -> None:
     """Copy full reference weights into this rank's shards (and the optimizer's fp32 copy)."""
     n = engine.model_cfg.num_layers
@@ -165,7 +137,7 @@ def load_full(engine: ReCoEngine, full: dict[str, torch.Tensor]) -> None:
                 key = global_name(name, n)
                 if key == "output_layer.weight" and engine.model_cfg.tie_word_embeddings:
                     key = "embedding.word_embeddings.weight"  # the last stage's tied copy
-                param.copy_(_shard(full[key], param, name))
+                param.copy_(shard_tp(full[key], param, name))
     engine.optimizer.reload_model_params()
     engine.sync_reference()
 
@@ -179,7 +151,7 @@ def full_params(engine: ReCoEngine) -> dict[str, torch.Tensor]:
             key = global_name(name, n)
             if key == "output_layer.weight" and engine.model_cfg.tie_word_embeddings:
                 continue  # with PP the last stage's copy of the tied embedding
-            out[key] = _gather(param, param, name)
+            out[key] = gather_tp(param, name).clone()
     return out
 
 

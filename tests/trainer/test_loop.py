@@ -54,9 +54,24 @@ def _rows(out: Path) -> list[dict]:
 
 
 REQUIRED = [
-    "step", "loss", "reward_mean", "entropy_mean", "grad_norm", "clip_frac", "weight_mean",
-    "weight_ess", "response_len_mean", "unique_frac", "pass@1", "pass@4", "logprob_mismatch",
-    "time_rollout", "time_reward", "time_old_logprob", "time_train", "time_sync",
+    "step",
+    "loss",
+    "reward_mean",
+    "entropy_mean",
+    "grad_norm",
+    "clip_frac",
+    "weight_mean",
+    "weight_ess",
+    "response_len_mean",
+    "unique_frac",
+    "pass@1",
+    "pass@4",
+    "logprob_mismatch",
+    "time_rollout",
+    "time_reward",
+    "time_old_logprob",
+    "time_train",
+    "time_sync",
 ]
 
 
@@ -83,8 +98,9 @@ def test_three_steps_leave_metrics_checkpoint_and_plot(tp1: Path) -> None:
 
 def test_tp2_metrics_equal_tp1(tp1: Path, tmp_path: Path) -> None:
     out = tmp_path / "tp2"
-    run_distributed(_run, 2, args=(str(out), ["parallel.tensor_model_parallel_size=2"]),
-                    timeout=600)
+    run_distributed(
+        _run, 2, args=(str(out), ["parallel.tensor_model_parallel_size=2"]), timeout=600
+    )
     for a, b in zip(_rows(tp1), _rows(out), strict=True):
         for key in ("reward_mean", "response_len_mean", "unique_frac", "pass@4"):
             assert a[key] == b[key], key
