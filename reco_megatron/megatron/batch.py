@@ -133,9 +133,7 @@ def data_parallel_groups(
             f"{dp_size} data-parallel ranks: make rollout.prompts_per_step a multiple of "
             f"update.minibatches_per_rollout x DP = {minibatches * dp_size}"
         )
-    return [
-        k * dp_size * per + dp_rank * per + i for k in range(minibatches) for i in range(per)
-    ]
+    return [k * dp_size * per + dp_rank * per + i for k in range(minibatches) for i in range(per)]
 
 
 def data_parallel_share(

@@ -110,6 +110,14 @@ class ParallelConfig:
             )
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def initialize_parallel(cfg: ParallelConfig, seed: int) -> str:
     """Start ``torch.distributed`` from the torchrun environment and megatron's groups.
 
@@ -125,10 +133,16 @@ def initialize_parallel(cfg: ParallelConfig, seed: int) -> str:
     on_gpu = torch.cuda.is_available()
     backend = "nccl" if on_gpu else "gloo"
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
         rank = int(os.environ.get("RANK", "0"))
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            if world_size > 1:
+                raise RuntimeError(
+                    f"WORLD_SIZE={world_size} but MASTER_PORT is not set: start the job with "
+                    "torchrun (or set MASTER_ADDR/MASTER_PORT for every rank)"
+                )
+            os.environ["MASTER_PORT"] = str(_free_port())  # a plain single-process run
         if on_gpu:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(

@@ -101,6 +101,7 @@ class RewardPool:
         self.config = config or RewardPoolConfig()
         resolve_reward(self.config.reward)  # fail fast, in the caller, with a clear message
         self._workers: list[_Worker] = []
+        self._checking = False
         self.restarts = 0
         try:
             self._workers = [self._start_worker() for _ in range(self.config.num_workers)]
@@ -169,13 +170,24 @@ class RewardPool:
                 self._on_ready_message(next(w for w in waiting if w.conn is conn))
 
     def _self_check(self) -> None:
-        batch = self.score([""], [""])
+        # ('', '') is not real data: a reward that rejects it (an error) is fine, one that
+        # returns a non-number is not. Its error is reported once below, at INFO.
+        self._checking = True
+        try:
+            batch = self.score([""], [""])
+        finally:
+            self._checking = False
         if batch.statuses[0] == st.INVALID:
             raise RewardSpecError(
                 f"reward {self.config.reward!r} returned a non-number (or an unknown status) for "
                 "('', ''): it must return a finite float or a RewardResult"
             )
-        if batch.statuses[0] in (st.TIMEOUT, st.CRASH, st.ERROR):
+        if batch.statuses[0] == st.ERROR:
+            log.info(
+                "reward %r rejects ('', '') with an error: fine, it validates its input",
+                self.config.reward,
+            )
+        elif batch.statuses[0] in (st.TIMEOUT, st.CRASH):
             log.warning(
                 "reward %r self-check on ('', '') gave %s; continuing (items like it score 0.0)",
                 self.config.reward,
@@ -283,7 +295,7 @@ class RewardPool:
             self._replace(w_index)
             log.warning("reward worker died (exit code %s) on item %s; replaced it", code, item)
             return
-        if status == st.ERROR:
+        if status == st.ERROR and not self._checking:
             log.warning("reward function raised on item %d: %s", index, detail)
         finish(index, w_index, score, status)
         if status == st.MEMORY:

@@ -67,14 +67,22 @@ class Trainer:
         cfg.data.dataset.max_prompt_len = cfg.rollout.max_prompt_len
         self.dataset = setup.load_prompts(train_path, cfg.data.dataset, self.tokenizer)
         self.formatter = PromptFormatter(tokenizer=self.tokenizer, template=cfg.data.template)
-        self.sampler = PromptSampler(len(self.dataset), cfg.rollout.prompts_per_step,
-                                     seed=cfg.trainer.seed)
-        total_updates = cfg.trainer.max_steps * cfg.update.minibatches_per_rollout * (
-            cfg.update.epochs_per_rollout
+        self.sampler = PromptSampler(
+            len(self.dataset), cfg.rollout.prompts_per_step, seed=cfg.trainer.seed
+        )
+        total_updates = (
+            cfg.trainer.max_steps
+            * cfg.update.minibatches_per_rollout
+            * (cfg.update.epochs_per_rollout)
         )
         self.engine = ReCoEngine(
-            cfg.model, cfg.parallel, cfg.loss, cfg.optimizer, cfg.update,
-            total_optimizer_steps=total_updates, seed=cfg.trainer.seed,
+            cfg.model,
+            cfg.parallel,
+            cfg.loss,
+            cfg.optimizer,
+            cfg.update,
+            total_optimizer_steps=total_updates,
+            seed=cfg.trainer.seed,
         )
         self.rollout = build_rollout_engine(cfg, self.tokenizer)
         self.rewards = RewardPool(cfg.reward) if self._scores_rewards else None
@@ -83,9 +91,14 @@ class Trainer:
         if self.rank == 0:
             dump_config(cfg, self.out / "config.yaml")
         self.writer = (
-            MetricsWriter(self.out, cfg.trainer.max_steps, tensorboard=cfg.trainer.tensorboard,
-                          progress=cfg.trainer.progress)
-            if self.rank == 0 else None
+            MetricsWriter(
+                self.out,
+                cfg.trainer.max_steps,
+                tensorboard=cfg.trainer.tensorboard,
+                progress=cfg.trainer.progress,
+            )
+            if self.rank == 0
+            else None
         )
 
     # ------------------------------------------------------------------ set-up
@@ -93,7 +106,9 @@ class Trainer:
     def _scores_rewards(self) -> bool:
         from megatron.core import parallel_state as ps
 
-        return ps.get_tensor_model_parallel_rank() == 0 and ps.get_pipeline_model_parallel_rank() == 0
+        return (
+            ps.get_tensor_model_parallel_rank() == 0 and ps.get_pipeline_model_parallel_rank() == 0
+        )
 
     @property
     def ckpt_root(self) -> Path:
@@ -110,8 +125,9 @@ class Trainer:
                 self.rollout.load_state_dict(state["rollout"])
             logger.info("resumed from %s at step %d", latest, self.step)
         elif cfg.init_megatron:
-            load_checkpoint(_resolve(cfg.init_megatron), self.engine, load_optimizer=False,
-                            load_rng=False)
+            load_checkpoint(
+                _resolve(cfg.init_megatron), self.engine, load_optimizer=False, load_rng=False
+            )
         elif cfg.init_hf:
             from reco_megatron.megatron.hf_checkpoint import load_hf_into_engine
 
@@ -123,25 +139,37 @@ class Trainer:
     def _sft_warmup(self) -> None:
         sft = self.cfg.sft
         batches = setup.sft_batches(
-            self.tokenizer, self.cfg.data.template, steps=sft.steps, batch_size=sft.batch_size,
-            solutions_per_problem=sft.solutions_per_problem, seed=self.cfg.trainer.seed,
-            max_len=self.cfg.model.max_position_embeddings, countdown=self.cfg.data.countdown,
+            self.tokenizer,
+            self.cfg.data.template,
+            steps=sft.steps,
+            batch_size=sft.batch_size,
+            solutions_per_problem=sft.solutions_per_problem,
+            seed=self.cfg.trainer.seed,
+            max_len=self.cfg.model.max_position_embeddings,
+            countdown=self.cfg.data.countdown,
         )
         start = time.perf_counter()
         for i, batch in enumerate(batches):
             share = data_parallel_share(batch, self.dp_rank, self.dp_size, 1)
             metrics = self.engine.sft_step(share, sft.lr)
             if i % 10 == 0 or i == len(batches) - 1:
-                logger.info("sft step %d/%d nll %.4f", i + 1, len(batches),
-                            metrics.get("loss", float("nan")))
+                logger.info(
+                    "sft step %d/%d nll %.4f",
+                    i + 1,
+                    len(batches),
+                    metrics.get("loss", float("nan")),
+                )
         logger.info("sft warm-up: %d steps in %.1f s", len(batches), time.perf_counter() - start)
 
     # ------------------------------------------------------------------ one step
-    def _generate(self, indices: list[int]) -> tuple[list[list[int]], list[Any], list[str], list[int]]:
+    def _generate(
+        self, indices: list[int]
+    ) -> tuple[list[list[int]], list[Any], list[str], list[int]]:
         """Prompts of this DP rank's groups, their completions, golds and global indices."""
         r = self.cfg.rollout
-        mine = data_parallel_groups(len(indices), self.dp_rank, self.dp_size,
-                                    self.cfg.update.minibatches_per_rollout)
+        mine = data_parallel_groups(
+            len(indices), self.dp_rank, self.dp_size, self.cfg.update.minibatches_per_rollout
+        )
         records = [self.dataset[indices[g]] for g in mine]
         prompts = [self.tokenizer.encode(self.formatter.format(rec.prompt)) for rec in records]
         seeds = [hash((self.cfg.trainer.seed, self.step, g)) % (2**31) for g in mine]
@@ -177,12 +205,14 @@ class Trainer:
         t0 = time.perf_counter()
         texts = [self.tokenizer.decode(ids) for ids in responses]
         rewards, reward_metrics = self._score(texts, [gold for gold in golds for _ in range(g)])
-        advantages, adv_metrics = group_advantages(rewards, g, cfg.loss.advantage_mode,
-                                                   eps=cfg.loss.advantage_eps)
+        advantages, adv_metrics = group_advantages(
+            rewards, g, cfg.loss.advantage_mode, eps=cfg.loss.advantage_eps
+        )
         times["time_reward"] = time.perf_counter() - t0
 
-        batch = build_rollout_batch(prompts, responses, logprobs, advantages, g,
-                                    self.tokenizer.pad_id)
+        batch = build_rollout_batch(
+            prompts, responses, logprobs, advantages, g, self.tokenizer.pad_id
+        )
         prepared, prep = self.engine.prepare(batch)
         times["time_old_logprob"] = prep.pop("time_old_logprob", float("nan"))
         t0 = time.perf_counter()
@@ -204,16 +234,19 @@ class Trainer:
             "reward_sum": float(rewards.sum()),
             "num_responses": float(len(responses)),
             "response_len_sum": float(sum(len(r) for r in responses)),
-            "truncated_sum": float(sum(c.finish_reason == "length" for grp in completions
-                                       for c in grp)),
+            "truncated_sum": float(
+                sum(c.finish_reason == "length" for grp in completions for c in grp)
+            ),
             "num_groups": float(len(correct)),
         }
         k = 1
         while k <= g:
             out[f"pass@{k}_sum"] = float(pass_at_k([g] * len(correct), correct, k).sum())
             k *= 2
-        unique = [diversity_metrics([tuple(c.token_ids) for c in grp])["unique_frac"]
-                  for grp in completions]
+        unique = [
+            diversity_metrics([tuple(c.token_ids) for c in grp])["unique_frac"]
+            for grp in completions
+        ]
         out["unique_frac_sum"] = float(sum(unique))
         return out
 
@@ -238,11 +271,18 @@ class Trainer:
                 row[key.removesuffix("_sum")] = s[key] / groups
         last = [self.engine.broadcast_metrics(m) for m in steps]
         prep = self.engine.broadcast_metrics(prep)
-        for name, out in (("loss", "loss"), ("entropy", "entropy_mean"), ("clip_frac", "clip_frac"),
-                          ("weight_mean", "weight_mean"), ("weight_ess", "weight_ess"),
-                          ("grad_norm", "grad_norm"), ("kl_old_new", "kl_old_new"),
-                          ("token_ratio_max", "token_ratio_max"), ("ratio_max", "ratio_max"),
-                          ("lr", "lr")):
+        for name, out in (
+            ("loss", "loss"),
+            ("entropy", "entropy_mean"),
+            ("clip_frac", "clip_frac"),
+            ("weight_mean", "weight_mean"),
+            ("weight_ess", "weight_ess"),
+            ("grad_norm", "grad_norm"),
+            ("kl_old_new", "kl_old_new"),
+            ("token_ratio_max", "token_ratio_max"),
+            ("ratio_max", "ratio_max"),
+            ("lr", "lr"),
+        ):
             row[out] = _mean([m[name] for m in last if name in m])
         row["logprob_mismatch"] = prep.get("logprob_mismatch", float("nan"))
         row["zero_adv_frac"] = float(adv_metrics.get("zero_adv_frac/mean", float("nan")))
@@ -253,10 +293,14 @@ class Trainer:
 
     # ------------------------------------------------------------------ the run
     def save(self) -> None:
-        state = {"step": self.step, "sampler": self.sampler.state_dict(),
-                 "rollout": self.rollout.state_dict()}
-        save_checkpoint(self.ckpt_root, self.step, self.engine, state,
-                        keep_last=self.cfg.checkpoint.keep_last)
+        state = {
+            "step": self.step,
+            "sampler": self.sampler.state_dict(),
+            "rollout": self.rollout.state_dict(),
+        }
+        save_checkpoint(
+            self.ckpt_root, self.step, self.engine, state, keep_last=self.cfg.checkpoint.keep_last
+        )
 
     def run(self) -> Path:
         """Train until ``trainer.max_steps``; returns the output directory."""
@@ -269,9 +313,10 @@ class Trainer:
                 interval = cfg.checkpoint.save_interval
                 if interval and self.step % interval == 0 and self.step < cfg.trainer.max_steps:
                     self.save()
-            if latest_checkpoint(self.ckpt_root) is None or not (
-                self.ckpt_root / f"step_{self.step:08d}"
-            ).exists():
+            if (
+                latest_checkpoint(self.ckpt_root) is None
+                or not (self.ckpt_root / f"step_{self.step:08d}").exists()
+            ):
                 self.save()
         finally:
             self.close()
@@ -280,11 +325,14 @@ class Trainer:
         return self.out
 
     def close(self) -> None:
+        from reco_megatron.megatron.checkpoint_compat import shutdown_async_writer
+
         if self.writer is not None:
             self.writer.close()
         if self.rewards is not None:
             self.rewards.close()
         self.rollout.close()
+        shutdown_async_writer()
 
 
 def _resolve(path: str) -> Path:
@@ -292,6 +340,3 @@ def _resolve(path: str) -> Path:
     p = Path(path)
     latest = latest_checkpoint(p) if (p / "latest").exists() else None
     return latest or p
-
-
-

@@ -60,8 +60,13 @@ def ensure_countdown_data(data_dir: Path, countdown, seed: int) -> tuple[Path, P
     waits at a barrier). ``countdown``: a :class:`~reco_megatron.trainer.config.CountdownConfig`."""
     train, held_out = data_dir / "train.jsonl", data_dir / "eval.jsonl"
     if _global_rank() == 0 and not train.exists():
-        write_splits(data_dir, n_train=countdown.n_train, n_eval=countdown.n_eval, seed=seed,
-                     **countdown.generate_kwargs())
+        write_splits(
+            data_dir,
+            n_train=countdown.n_train,
+            n_eval=countdown.n_eval,
+            seed=seed,
+            **countdown.generate_kwargs(),
+        )
     return train, held_out
 
 
@@ -96,10 +101,12 @@ def sft_batches(
     problems = generate(countdown.n_train, seed=seed, **countdown.generate_kwargs())
     examples = []
     for problem in problems:
-        chosen = rng.sample(list(problem.solutions), min(solutions_per_problem, len(problem.solutions)))
+        chosen = rng.sample(
+            list(problem.solutions), min(solutions_per_problem, len(problem.solutions))
+        )
         for solution in chosen:
             prompt = tokenizer.encode(template.format(prompt=problem.prompt))
-            answer = tokenizer.encode(f"Answer: {solution}") + [tokenizer.eos_id]
+            answer = [*tokenizer.encode(f"Answer: {solution}"), tokenizer.eos_id]
             if len(prompt) + len(answer) <= max_len:
                 examples.append((prompt, answer))
     rng.shuffle(examples)
@@ -114,7 +121,8 @@ def sft_batches(
             tokens[row, : len(p) + len(a)] = torch.tensor(p + a)
             mask[row, len(p) : len(p) + len(a)] = 1.0
         batches.append(
-            RolloutBatch(tokens=tokens, response_mask=mask, advantages=torch.zeros(batch_size),
-                         group_size=1)
+            RolloutBatch(
+                tokens=tokens, response_mask=mask, advantages=torch.zeros(batch_size), group_size=1
+            )
         )
     return batches

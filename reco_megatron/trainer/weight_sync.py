@@ -86,8 +86,9 @@ def build_rollout_engine(cfg: Any, tokenizer: Any) -> RolloutClient:
         device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
         engine: RolloutEngine = EmbeddedEngine(
             hf_config,
-            EmbeddedEngineConfig(max_model_len=max_len, seed=cfg.trainer.seed, device=device,
-                                 eos_token_ids=eos),
+            EmbeddedEngineConfig(
+                max_model_len=max_len, seed=cfg.trainer.seed, device=device, eos_token_ids=eos
+            ),
         )
     else:
         from reco_megatron.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
@@ -133,8 +134,10 @@ def all_stage_hf_weights(model_chunks: list[Any], model_cfg: ModelConfig):
 
 
 def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else (
-        torch.device("cpu")
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else (torch.device("cpu"))
     )
 
 
