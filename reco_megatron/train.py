@@ -16,6 +16,9 @@ Run it::
 
 Arguments: a YAML config, then ``section.key=value`` overrides (``--help-config`` lists every
 key with its type, default and meaning). The console script ``reco-train`` is the same.
+
+Exit status: 0 done; 2 invalid configuration; 3 stopped by a stability guard; 75 stopped by
+SIGTERM/SIGUSR1 after saving a checkpoint (run the same command again to resume).
 """
 
 from __future__ import annotations
@@ -43,12 +46,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         sys.stderr.write(f"reco-train: invalid configuration\n{exc}\n")
         return 2
+    from reco_megatron.trainer.guards import StabilityStop
     from reco_megatron.trainer.loop import Trainer
 
     trainer = Trainer(cfg)
-    out = trainer.run()
-    logger.info("done: metrics, checkpoint and plot in %s", out)
-    return 0
+    try:
+        status = trainer.run()
+    except StabilityStop as exc:
+        logger.error("%s", exc)
+        return 3
+    if status == 0:
+        logger.info("done: metrics, checkpoint and plot in %s", trainer.out)
+    return status
 
 
 if __name__ == "__main__":

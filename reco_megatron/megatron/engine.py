@@ -18,6 +18,7 @@ group so that global rank 0 can log them.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -216,20 +217,57 @@ class ReCoEngine:
         out["time_old_logprob"] = elapsed
         return prepared, out
 
-    def train_step(self, minibatch: RolloutBatch) -> dict[str, float]:
-        """One optimizer step on ``minibatch`` (this DP rank's share), globally normalised."""
+    def grads_finite(self) -> bool:
+        """Whether every gradient on every rank is finite (collective over the world)."""
+        ok = torch.ones((), dtype=torch.float32)
+        for chunk in self.model:
+            for param in chunk.parameters():
+                grad = getattr(param, "main_grad", None)
+                if grad is None:
+                    grad = param.grad
+                if grad is not None and not torch.isfinite(grad).all():
+                    ok.zero_()
+                    break
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            ok = ok.to(self._device)
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        return bool(ok.item() > 0)
+
+    @property
+    def _device(self) -> torch.device:
+        return (
+            torch.device("cuda", torch.cuda.current_device())
+            if self.on_gpu
+            else (torch.device("cpu"))
+        )
+
+    def train_step(
+        self, minibatch: RolloutBatch, guard: Callable[[dict[str, float], bool], str] | None = None
+    ) -> dict[str, float]:
+        """One optimizer step on ``minibatch`` (this DP rank's share), globally normalised.
+
+        ``guard(metrics, grads_finite)`` sees the step's global metrics after
+        forward+backward and returns ``"skip"`` to drop the update (the stability guards);
+        without a guard, a step with non-finite gradients is skipped.
+        """
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         start = time.perf_counter()
         parts = self._run(self.model, minibatch, policy_loss_func, forward_only=False)
         middle = time.perf_counter()
-        update_ok, grad_norm, _ = self.optimizer.step()
-        end = time.perf_counter()
-        if update_ok:
-            self.scheduler.step(increment=1)
-        self.optimizer_steps += 1
         metrics = reduce_metrics(parts if self.is_last_stage else [], weight_key="num_tokens/sum")
+        metrics = self.broadcast_metrics(metrics)
+        finite = self.grads_finite()
+        decision = guard(metrics, finite) if guard is not None else ("ok" if finite else "skip")
+        grad_norm = None
+        update_ok = False
+        if decision != "skip":
+            update_ok, grad_norm, _ = self.optimizer.step()
+            if update_ok:
+                self.scheduler.step(increment=1)
+        end = time.perf_counter()
+        self.optimizer_steps += 1
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics["update_skipped"] = 0.0 if update_ok else 1.0
         metrics["lr"] = current_lr(self.optimizer)
@@ -259,7 +297,9 @@ class ReCoEngine:
         metrics["update_skipped"] = 0.0 if update_ok else 1.0
         return metrics
 
-    def train_on_rollout(self, batch: RolloutBatch) -> list[dict[str, float]]:
+    def train_on_rollout(
+        self, batch: RolloutBatch, guard: Callable[[dict[str, float], bool], str] | None = None
+    ) -> list[dict[str, float]]:
         """``epochs x minibatches`` optimizer steps over a prepared batch (whole groups)."""
         n = self.update.minibatches_per_rollout
         b = batch.num_sequences
@@ -272,7 +312,8 @@ class ReCoEngine:
         out = []
         for _ in range(self.update.epochs_per_rollout):
             for i in range(n):
-                out.append(self.train_step(batch.select(slice(i * size, (i + 1) * size))))
+                mini = batch.select(slice(i * size, (i + 1) * size))
+                out.append(self.train_step(mini, guard))
         return out
 
     def broadcast_metrics(self, metrics: dict[str, float]) -> dict[str, float]:

@@ -18,6 +18,7 @@ from reco_megatron.megatron.engine import UpdateConfig
 from reco_megatron.megatron.model import ModelConfig
 from reco_megatron.megatron.optimizer import OptimConfig
 from reco_megatron.rewards.pool import RewardPoolConfig
+from reco_megatron.trainer.guards import StabilityConfig
 
 
 @dataclass(kw_only=True)
@@ -175,6 +176,8 @@ class TrainConfig:
     """The loop."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoints."""
+    stability: StabilityConfig = field(default_factory=StabilityConfig)
+    """Guards on NaN/Inf and on the ReCo quantities (docs/stability.md)."""
 
     def __post_init__(self) -> None:
         total = self.rollout.prompts_per_step

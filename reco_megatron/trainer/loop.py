@@ -28,6 +28,7 @@ from reco_megatron.megatron.engine import ReCoEngine
 from reco_megatron.rewards.pool import RewardPool
 from reco_megatron.trainer import setup
 from reco_megatron.trainer.config import TrainConfig
+from reco_megatron.trainer.guards import EXIT_RESUMABLE, StabilityGuard, StopSignal
 from reco_megatron.trainer.metrics_writer import MetricsWriter, plot_training_curves
 from reco_megatron.trainer.rollout_batch import build_rollout_batch
 from reco_megatron.trainer.weight_sync import build_rollout_engine, sync_weights
@@ -87,6 +88,7 @@ class Trainer:
         self.rollout = build_rollout_engine(cfg, self.tokenizer)
         self.rewards = RewardPool(cfg.reward) if self._scores_rewards else None
         self.step = 0
+        self.guard = StabilityGuard(cfg.stability)
         self._initialise_weights()
         if self.rank == 0:
             dump_config(cfg, self.out / "config.yaml")
@@ -216,7 +218,7 @@ class Trainer:
         prepared, prep = self.engine.prepare(batch)
         times["time_old_logprob"] = prep.pop("time_old_logprob", float("nan"))
         t0 = time.perf_counter()
-        steps = self.engine.train_on_rollout(prepared)
+        steps = self.engine.train_on_rollout(prepared, self.guard.decide)
         times["time_train"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         sync_weights(self.engine, self.rollout, cfg.model)
@@ -285,6 +287,7 @@ class Trainer:
         ):
             row[out] = _mean([m[name] for m in last if name in m])
         row["logprob_mismatch"] = prep.get("logprob_mismatch", float("nan"))
+        row["updates_skipped"] = sum(m.get("update_skipped", 0.0) for m in last)
         row["zero_adv_frac"] = float(adv_metrics.get("zero_adv_frac/mean", float("nan")))
         for key, value in reward_metrics.items():
             if key.endswith("/sum") and ("timeout" in key or "failure" in key or "crash" in key):
@@ -302,27 +305,46 @@ class Trainer:
             self.ckpt_root, self.step, self.engine, state, keep_last=self.cfg.checkpoint.keep_last
         )
 
-    def run(self) -> Path:
-        """Train until ``trainer.max_steps``; returns the output directory."""
+    def _stop_requested(self, stop: StopSignal) -> bool:
+        """Whether any rank received a stop signal (collective, so all ranks agree)."""
+        flag = torch.tensor([1.0 if stop.received is not None else 0.0])
+        if self.engine.on_gpu:
+            flag = flag.cuda()
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item() > 0)
+
+    def run(self) -> int:
+        """Train until ``trainer.max_steps``; returns the process exit status (0, or
+        :data:`EXIT_RESUMABLE` after a preemption signal and its checkpoint)."""
         cfg = self.cfg
+        stop = StopSignal().install()
+        status = 0
         try:
             while self.step < cfg.trainer.max_steps:
                 row = self.train_step()
                 if self.writer is not None:
                     self.writer.write(row)
+                if self._stop_requested(stop):
+                    self.save()
+                    logger.warning(
+                        "stopped by signal after step %d; checkpoint saved, exit %d "
+                        "(resume by running the same command)",
+                        self.step,
+                        EXIT_RESUMABLE,
+                    )
+                    status = EXIT_RESUMABLE
+                    break
                 interval = cfg.checkpoint.save_interval
                 if interval and self.step % interval == 0 and self.step < cfg.trainer.max_steps:
                     self.save()
-            if (
-                latest_checkpoint(self.ckpt_root) is None
-                or not (self.ckpt_root / f"step_{self.step:08d}").exists()
-            ):
+            if status == 0 and not (self.ckpt_root / f"step_{self.step:08d}").exists():
                 self.save()
         finally:
+            stop.restore()
             self.close()
-        if self.rank == 0 and (self.out / "metrics.jsonl").exists():
+        if status == 0 and self.rank == 0 and (self.out / "metrics.jsonl").exists():
             plot_training_curves(self.out / "metrics.jsonl", self.out / "training_curves.png")
-        return self.out
+        return status
 
     def close(self) -> None:
         from reco_megatron.megatron.checkpoint_compat import shutdown_async_writer
