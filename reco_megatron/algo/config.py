@@ -118,7 +118,22 @@ class LossConfig:
     """Constant dividing each sequence's token sum in ``seq_mean_token_sum_norm``, typically the
     maximum response length in tokens; required (> 0) for that aggregation."""
 
+    tis_cap: float | None = None
+    """Truncated importance sampling of the train/inference mismatch: each token's policy
+    term is multiplied by ``min(p_old / p_rollout, tis_cap)`` (detached), where ``p_rollout``
+    is what the inference engine reported; kept separate from ReCo's token ratio. ``None``
+    disables it; 2.0 is the value of the TIS paper. Needs ``rollout_logp=``."""
+
     def __post_init__(self) -> None:
+        if self.tis_cap is not None and not (
+            isinstance(self.tis_cap, int | float)
+            and math.isfinite(self.tis_cap)
+            and self.tis_cap > 0
+        ):
+            raise ValueError(
+                f"tis_cap must be a finite number > 0 or None, got {self.tis_cap!r} "
+                "(2.0 is the TIS paper's value)"
+            )
         _choice("objective", self.objective, OBJECTIVES)
         _choice("advantage_mode", self.advantage_mode, ADVANTAGE_MODES)
         _choice("response_weight", self.response_weight, WEIGHT_MODES)

@@ -10,7 +10,7 @@ import torch
 
 from reco_megatron.algo.config import AGGREGATIONS, LossConfig
 from reco_megatron.algo.metrics import masked_mean, quantile_metrics, weight_metrics
-from reco_megatron.algo.ratios import importance_ratio, token_ratio
+from reco_megatron.algo.ratios import importance_ratio, tis_weights, token_ratio
 from reco_megatron.algo.token_stats import TokenStats
 
 
@@ -85,6 +85,7 @@ def policy_loss(
     ref_logp: torch.Tensor | None = None,
     global_num_tokens: float | torch.Tensor | None = None,
     global_num_seqs: float | torch.Tensor | None = None,
+    rollout_logp: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Policy-gradient loss of one (micro-)batch and its detached metrics.
 
@@ -102,6 +103,8 @@ def policy_loss(
         ref_logp: ``[B, T]`` reference-policy log-probs; required when ``cfg.kl_coef > 0``.
         global_num_tokens, global_num_seqs: counts of the whole global batch (see
             :func:`aggregate`); ``None`` means this batch is the whole batch.
+        rollout_logp: ``[B, T]`` log-probs reported by the inference engine; required when
+            ``cfg.tis_cap`` is set (truncated importance sampling of the mismatch).
 
     Per-token policy term (``r = p / p_old``, A the advantage, w the weight):
         - ``ppo_clip``: ``w * max(-r A, -clip(r, 1-eps_low, 1+eps_high) A)``, optionally
@@ -133,6 +136,11 @@ def policy_loss(
         raise ValueError(
             f"kl_coef={cfg.kl_coef} needs ref_logp= [B, T] from the reference policy; pass it "
             "or set kl_coef=0"
+        )
+    if cfg.tis_cap is not None and rollout_logp is None:
+        raise ValueError(
+            f"tis_cap={cfg.tis_cap} needs rollout_logp= [B, T] (the inference engine's "
+            "log-probs); pass it or set tis_cap=None"
         )
     if cfg.token_ratio == "categorical" and (stats is None or stats_old is None):
         raise ValueError(
@@ -182,6 +190,10 @@ def policy_loss(
         per_token = -(coef * adv) * lp
     if weights is not None:
         per_token = per_token * weights.detach().to(logp.dtype).unsqueeze(1)
+    tis: torch.Tensor | None = None
+    if cfg.tis_cap is not None and rollout_logp is not None:
+        tis = tis_weights(lp_old, rollout_logp, maskb, cfg.tis_cap).to(logp.dtype)
+        per_token = per_token * tis
 
     kl_tok: torch.Tensor | None = None
     if ref_logp is not None:
@@ -212,6 +224,11 @@ def policy_loss(
         metrics = _metrics(maskb, r, lp, lp_old, clip_low, clip_high, c_raw, weights, kl_tok)
         if entropy is not None:
             metrics["entropy/mean"] = masked_mean(entropy, maskb)
+        if tis is not None:
+            metrics["tis_weight/mean"] = masked_mean(tis, maskb)
+            metrics["tis_clip_frac/mean"] = masked_mean(
+                (tis >= cfg.tis_cap * (1 - 1e-6)).float(), maskb
+            )
         metrics["loss/sum"] = loss.detach().float()
     return loss, metrics
 

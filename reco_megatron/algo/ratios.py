@@ -6,6 +6,7 @@ positions as long as the caller zeroes them (``policy_loss`` does).
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -85,3 +86,35 @@ def token_ratio(
             )
         raw = categorical_variance(sum_p2, prob_eps) / categorical_variance(sum_p2_old, prob_eps)
     return TokenRatio(ratio=raw.clamp(max=c_max), raw=raw)
+
+
+def tis_weights(
+    trainer_old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    cap: float = 2.0,
+) -> torch.Tensor:
+    """Truncated importance-sampling weight per token, detached: ``[B, T]``.
+
+    ``w = min(exp(trainer_old_logprobs - rollout_logprobs), cap)`` on response tokens and ``0``
+    elsewhere, computed as ``exp(min(diff, log cap))`` so a large diff never overflows.
+
+    Args:
+        trainer_old_logprobs: ``[B, T]`` log pi_old as the trainer computes it.
+        rollout_logprobs: ``[B, T]`` log-probs reported by the rollout engine.
+        mask: ``[B, T]`` true on response tokens.
+        cap: upper bound of the weight (> 0; 2.0 in the TIS paper).
+    """
+    if not isinstance(cap, int | float) or not math.isfinite(cap) or cap <= 0:
+        raise ValueError(f"TIS cap must be a finite number > 0, got {cap!r}")
+    if not (trainer_old_logprobs.shape == rollout_logprobs.shape == mask.shape):
+        raise ValueError(
+            f"TIS inputs must share one shape [B, T], got {tuple(trainer_old_logprobs.shape)}, "
+            f"{tuple(rollout_logprobs.shape)}, {tuple(mask.shape)}"
+        )
+    m = mask.bool()
+    dtype = torch.promote_types(trainer_old_logprobs.dtype, torch.float32)  # fp64 stays fp64
+    diff = trainer_old_logprobs.detach().to(dtype) - rollout_logprobs.detach().to(dtype)
+    diff = torch.where(m, diff, torch.zeros_like(diff))
+    w = torch.exp(torch.clamp(diff, max=math.log(cap)))
+    return torch.where(m, w, torch.zeros_like(w))

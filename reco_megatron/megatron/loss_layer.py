@@ -96,6 +96,7 @@ def policy_loss_func(
         ref_logp=mb.ref_logprobs,
         global_num_tokens=1.0,
         global_num_seqs=1.0,
+        rollout_logp=mb.rollout_logprobs if ctx.loss.tis_cap is not None else None,
     )
     count = denominator_share(mb, ctx.loss)
     metrics = dict(metrics)

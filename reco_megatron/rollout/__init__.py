@@ -6,6 +6,7 @@ imports vLLM lazily) and ``mismatch`` (train/rollout log-prob metrics, TIS weigh
 takes Hugging Face-named tensors and never imports megatron. See ``docs/rollout.md``.
 """
 
+from reco_megatron.algo.ratios import tis_weights
 from reco_megatron.rollout.base import (
     Completion,
     FinishReason,
@@ -14,7 +15,7 @@ from reco_megatron.rollout.base import (
     validate_requests,
 )
 from reco_megatron.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
-from reco_megatron.rollout.mismatch import logprob_mismatch, mismatch_metrics, tis_weights
+from reco_megatron.rollout.mismatch import logprob_mismatch, mismatch_metrics
 from reco_megatron.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
 
 __all__ = [

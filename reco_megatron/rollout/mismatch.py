@@ -16,8 +16,6 @@ enabled.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 
@@ -78,29 +76,3 @@ def mismatch_metrics(
         "mismatch/num_tokens/sum": n_tok.double(),
     }
     return {k: v.float() for k, v in out.items()}
-
-
-def tis_weights(
-    trainer_old_logprobs: torch.Tensor,
-    rollout_logprobs: torch.Tensor,
-    mask: torch.Tensor,
-    cap: float = 2.0,
-) -> torch.Tensor:
-    """Truncated importance-sampling weight per token, detached: ``[B, T]``.
-
-    ``w = min(exp(trainer_old_logprobs - rollout_logprobs), cap)`` on response tokens and ``0``
-    elsewhere. Computed as ``exp(min(diff, log cap))`` so a large diff never overflows.
-
-    Args:
-        trainer_old_logprobs: ``[B, T]`` log pi_old as the trainer computes it (before the
-            first update on this rollout batch).
-        rollout_logprobs: ``[B, T]`` log-probs reported by the rollout engine.
-        mask: ``[B, T]`` true on response tokens.
-        cap: upper bound of the weight (> 0; 2.0 is the value of the TIS paper).
-    """
-    if not isinstance(cap, int | float) or not math.isfinite(cap) or cap <= 0:
-        raise ValueError(f"TIS cap must be a finite number > 0, got {cap!r}")
-    m = _check(trainer_old_logprobs, rollout_logprobs, mask)
-    diff = trainer_old_logprobs.detach().float() - rollout_logprobs.detach().float()
-    w = torch.exp(torch.clamp(diff, max=math.log(cap)))
-    return torch.where(m, w, torch.zeros_like(w))
