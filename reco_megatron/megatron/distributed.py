@@ -176,3 +176,50 @@ def initialize_parallel(cfg: ParallelConfig, seed: int) -> str:
         backend,
     )
     return backend
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """Where this process sits in the parallel layout (a snapshot of megatron's state), for
+    code above the adapter that must not import megatron-core itself."""
+
+    rank: int
+    """Global rank."""
+    tp_rank: int
+    """Rank in the tensor-parallel group."""
+    pp_rank: int
+    """Pipeline stage."""
+    pp_size: int
+    """Pipeline stages."""
+    dp_rank: int
+    """Rank in the data-parallel group."""
+    dp_size: int
+    """Data-parallel replicas."""
+    dp_group: object
+    """The data-parallel process group."""
+    mp_group: object
+    """The model-parallel (TP x PP) process group of this replica."""
+    pp_group: object
+    """The pipeline process group."""
+
+    @property
+    def first_of_replica(self) -> bool:
+        """TP rank 0 of pipeline stage 0: the rank that does per-replica work once."""
+        return self.tp_rank == 0 and self.pp_rank == 0
+
+
+def rank_layout() -> RankLayout:
+    """This process's :class:`RankLayout` (after :func:`initialize_parallel`)."""
+    from megatron.core import parallel_state as ps
+
+    return RankLayout(
+        rank=dist.get_rank(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        pp_size=ps.get_pipeline_model_parallel_world_size(),
+        dp_rank=ps.get_data_parallel_rank(),
+        dp_size=ps.get_data_parallel_world_size(),
+        dp_group=ps.get_data_parallel_group(),
+        mp_group=ps.get_model_parallel_group(),
+        pp_group=ps.get_pipeline_model_parallel_group(),
+    )

@@ -121,6 +121,53 @@ def gather_hf_weights(
             pass
 
 
+def all_stage_hf_weights(
+    model_chunks: list[Any], model_cfg: ModelConfig
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every HF ``(name, tensor)`` pair of the model on *every* rank (collective over TP and
+    PP): what a rollout engine per rank needs. TP shards are all-gathered by the export; each
+    pipeline stage's tensors are broadcast over the pipeline group one at a time (peak: one
+    full tensor beyond the model)."""
+    from megatron.core import parallel_state as ps
+
+    pp = ps.get_pipeline_model_parallel_world_size()
+    if pp == 1:
+        yield from export_hf_weights(model_chunks, model_cfg)
+        return
+    plans = stage_plans(model_chunks, model_cfg)
+    group = ps.get_pipeline_model_parallel_group()
+    ranks = dist.get_process_group_ranks(group)
+    me = ps.get_pipeline_model_parallel_rank()
+    local = export_hf_weights(model_chunks, model_cfg)
+    for stage in range(pp):
+        for name, shape, dtype in plans[stage]:
+            if stage == me:
+                got_name, tensor = next(local)
+                if got_name != name:
+                    raise RuntimeError(f"export order changed: expected {name}, got {got_name}")
+                buf = tensor.detach().contiguous().clone()
+            else:
+                buf = torch.empty(shape, dtype=dtype, device=_broadcast_device())
+            dist.broadcast(buf, src=ranks[stage], group=group)
+            yield name, buf
+    for _ in local:  # exhaust (collectives inside the export generator)
+        pass
+
+
+def _device() -> torch.device:
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else (torch.device("cpu"))
+    )
+
+
+def _broadcast_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 # ------------------------------------------------------------------ streamed safetensors
 def _split_shards(plan: Plan, max_bytes: int) -> list[Plan]:
     shards: list[Plan] = [[]]

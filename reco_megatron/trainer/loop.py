@@ -23,7 +23,7 @@ from reco_megatron.data.chat import PromptFormatter
 from reco_megatron.data.sampler import PromptSampler
 from reco_megatron.megatron.batch import data_parallel_groups, data_parallel_share
 from reco_megatron.megatron.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from reco_megatron.megatron.distributed import initialize_parallel
+from reco_megatron.megatron.distributed import initialize_parallel, rank_layout
 from reco_megatron.megatron.engine import ReCoEngine
 from reco_megatron.rewards.pool import RewardPool
 from reco_megatron.trainer import setup
@@ -45,14 +45,13 @@ class Trainer:
     """Build everything from a :class:`TrainConfig`; :meth:`run` trains to ``max_steps``."""
 
     def __init__(self, cfg: TrainConfig) -> None:
-        from megatron.core import parallel_state as ps
-
         self.cfg = cfg
         self.out = setup.prepare_output_dir(cfg.trainer.output_dir)
         initialize_parallel(cfg.parallel, seed=cfg.trainer.seed)
-        self.rank = dist.get_rank()
-        self.dp_rank = ps.get_data_parallel_rank()
-        self.dp_size = ps.get_data_parallel_world_size()
+        self.layout = rank_layout()
+        self.rank = self.layout.rank
+        self.dp_rank = self.layout.dp_rank
+        self.dp_size = self.layout.dp_size
         self.tokenizer = setup.load_tokenizer(cfg.data.tokenizer)
         if self.tokenizer.vocab_size > cfg.model.vocab_size:
             raise SystemExit(
@@ -86,7 +85,7 @@ class Trainer:
             seed=cfg.trainer.seed,
         )
         self.rollout = build_rollout_engine(cfg, self.tokenizer)
-        self.rewards = RewardPool(cfg.reward) if self._scores_rewards else None
+        self.rewards = RewardPool(cfg.reward) if self.layout.first_of_replica else None
         self.step = 0
         self.guard = StabilityGuard(cfg.stability)
         self._initialise_weights()
@@ -104,14 +103,6 @@ class Trainer:
         )
 
     # ------------------------------------------------------------------ set-up
-    @property
-    def _scores_rewards(self) -> bool:
-        from megatron.core import parallel_state as ps
-
-        return (
-            ps.get_tensor_model_parallel_rank() == 0 and ps.get_pipeline_model_parallel_rank() == 0
-        )
-
     @property
     def ckpt_root(self) -> Path:
         return self.out / "checkpoints"
@@ -179,18 +170,18 @@ class Trainer:
         return prompts, completions, [rec.answer for rec in records], mine
 
     def _score(self, texts: list[str], golds: list[str]) -> tuple[torch.Tensor, dict[str, float]]:
-        from megatron.core import parallel_state as ps
-
         scores = torch.zeros(len(texts), dtype=torch.float64)
         metrics: dict[str, float] = {}
         if self.rewards is not None:
             batch = self.rewards.score(texts, golds)
             scores = torch.tensor(batch.scores, dtype=torch.float64)
             metrics = dict(batch.metrics)
-        group = ps.get_model_parallel_group()
+        group = self.layout.mp_group
         if dist.get_world_size(group) > 1:
             src = dist.get_global_rank(group, 0)
-            dist.broadcast(scores, src=src, group=group)
+            buf = scores.cuda() if self.engine.on_gpu else scores
+            dist.broadcast(buf, src=src, group=group)
+            scores = buf.cpu()
         return scores.float(), metrics
 
     def train_step(self) -> dict[str, Any]:
@@ -254,11 +245,12 @@ class Trainer:
 
     def _global_row(self, local, steps, prep, reward_metrics, adv_metrics) -> dict[str, Any]:
         """Sum the rollout counters over DP ranks; engine metrics are already global."""
-        from megatron.core import parallel_state as ps
-
         keys = sorted(local)
         t = torch.tensor([local[k] for k in keys], dtype=torch.float64)
-        dist.all_reduce(t, group=ps.get_data_parallel_group())
+        if self.engine.on_gpu:
+            t = t.cuda()
+        dist.all_reduce(t, group=self.layout.dp_group)
+        t = t.cpu()
         s = dict(zip(keys, t.tolist(), strict=True))
         n, groups = max(s["num_responses"], 1.0), max(s["num_groups"], 1.0)
         row: dict[str, Any] = {

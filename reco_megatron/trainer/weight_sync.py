@@ -1,11 +1,9 @@
 """The rollout side of the loop: building the engine and streaming the policy into it.
 
 The policy's weights travel as Hugging Face ``(name, tensor)`` pairs
-(:func:`reco_megatron.megatron.convert.export_hf_weights`): what vLLM's ``load_weights`` and
-the embedded transformers engine both take. Every rank holds a rollout engine for its
-data-parallel replica, so every rank needs every tensor: TP shards are all-gathered by the
-export; with pipeline parallelism each stage's tensors are broadcast over the pipeline group,
-one tensor at a time (peak: one full tensor beyond the model).
+(:func:`reco_megatron.megatron.hf_checkpoint.all_stage_hf_weights`): what vLLM's
+``load_weights`` and the embedded transformers engine both take. Every rank holds a rollout
+engine for its data-parallel replica, so every rank receives every tensor.
 """
 
 from __future__ import annotations
@@ -14,10 +12,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from reco_megatron.megatron.convert import export_hf_weights
-from reco_megatron.megatron.hf_checkpoint import stage_plans
+from reco_megatron.megatron.hf_checkpoint import all_stage_hf_weights
 from reco_megatron.megatron.hf_config import hf_config_from_model_config
 from reco_megatron.megatron.model import ModelConfig
 from reco_megatron.rollout.base import Completion, RolloutEngine, SamplingParams
@@ -103,42 +99,6 @@ def build_rollout_engine(cfg: Any, tokenizer: Any) -> RolloutClient:
             ),
         )
     return RolloutClient(engine, sampling)
-
-
-def all_stage_hf_weights(model_chunks: list[Any], model_cfg: ModelConfig):
-    """Every HF tensor of the model on every rank (collective over TP and PP)."""
-    from megatron.core import parallel_state as ps
-
-    pp = ps.get_pipeline_model_parallel_world_size()
-    if pp == 1:
-        yield from export_hf_weights(model_chunks, model_cfg)
-        return
-    plans = stage_plans(model_chunks, model_cfg)
-    group = ps.get_pipeline_model_parallel_group()
-    ranks = dist.get_process_group_ranks(group)
-    me = ps.get_pipeline_model_parallel_rank()
-    local = export_hf_weights(model_chunks, model_cfg)
-    for stage in range(pp):
-        for name, shape, dtype in plans[stage]:
-            if stage == me:
-                got_name, tensor = next(local)
-                if got_name != name:
-                    raise RuntimeError(f"export order changed: expected {name}, got {got_name}")
-                buf = tensor.detach().contiguous().clone()
-            else:
-                buf = torch.empty(shape, dtype=dtype, device=_device())
-            dist.broadcast(buf, src=ranks[stage], group=group)
-            yield name, buf
-    for _ in local:  # exhaust (collectives inside the export generator)
-        pass
-
-
-def _device() -> torch.device:
-    return (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else (torch.device("cpu"))
-    )
 
 
 def sync_weights(engine: Any, rollout: RolloutClient, model_cfg: ModelConfig) -> None:
