@@ -106,6 +106,37 @@ def test_tp2_metrics_equal_tp1(tp1: Path, tmp_path: Path) -> None:
             assert a[key] == b[key], key
         for key in ("loss", "entropy_mean", "clip_frac", "weight_mean", "grad_norm"):
             assert a[key] == pytest.approx(b[key], abs=1e-4, rel=1e-4), key
+        # The rollout engine received the TP-gathered weights: its log-probs equal the
+        # TP 2 trainer's (an off-by-one alignment would show up here as a mismatch ~1).
+        assert b["logprob_mismatch"] < 1e-4
+
+
+def test_init_from_a_megatron_checkpoint(tp1: Path, tmp_path: Path) -> None:
+    # A new run (no resume) at TP 2 whose own initialisation would be very different
+    # (init std 0.5 instead of 0.02) takes its weights from the TP 1 run's final checkpoint
+    # (resharded on load). Same seed, so the same prompts: its first old-policy pass must see
+    # the TP 1 run's weights, i.e. the entropy of the TP 1 run's last step's policy... which,
+    # with these 3 reward-free steps (all advantages 0), is its initial policy.
+    out = tmp_path / "init"
+    run_distributed(
+        _run,
+        2,
+        args=(
+            str(out),
+            [
+                "parallel.tensor_model_parallel_size=2",
+                "trainer.max_steps=1",
+                "model.init_method_std=0.5",
+                f"checkpoint.init_megatron={tp1 / 'checkpoints'}",
+            ],
+        ),
+        timeout=600,
+    )
+    rows, first = _rows(out), _rows(tp1)[0]
+    assert len(rows) == 1 and rows[0]["logprob_mismatch"] < 1e-4
+    # The premise: no reward in the TP 1 run, so its weights never moved (deterministic).
+    assert all(r["reward_mean"] == 0.0 for r in _rows(tp1))
+    assert rows[0]["entropy_mean"] == pytest.approx(first["entropy_mean"], abs=1e-4)
 
 
 def test_config_errors_exit_with_a_message(capsys) -> None:
