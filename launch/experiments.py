@@ -1,0 +1,150 @@
+"""The GRPO vs ReCo ablation as one NeMo-Run experiment.
+
+Four runs of the same entry point that differ only in the loss fields that define each
+method (``reco_megatron.algo.config.PRESETS``); everything else comes from the config::
+
+    # CPU, the tiny default, 2 torchrun processes per run, the four runs one after another
+    python -m launch.experiments --executor local --nproc-per-node 2 \\
+        --config examples/tiny_cpu.yaml trainer.max_steps=10
+
+    # Slurm: 4 jobs of 1 node x 8 H100 each, submitted from a login node
+    python -m launch.experiments --executor slurm --account ACCT --partition batch \\
+        --nodes 1 --config examples/qwen2.5-math-1.5b.yaml
+
+    # print the scripts / sbatch files without running anything
+    python -m launch.experiments --executor slurm --account ACCT --dryrun --config ...
+
+Outputs: ``<output-root>/<variant>/`` (metrics.jsonl, checkpoints, plots) per variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from launch.executors import import_nemo_run, local_executor, slurm_executor, train_script
+
+ABLATION: tuple[str, ...] = ("grpo", "reco", "reco_response_only", "reco_token_only")
+"""The four methods of the ablation, as ``LossConfig`` preset names."""
+
+METHOD_FIELDS: tuple[str, ...] = ("objective", "response_weight", "token_ratio")
+"""The loss fields in which the ablation presets differ; the rest (clip, KL) is shared."""
+
+
+def ablation_overrides(preset: str, *, full_preset: bool = False) -> list[str]:
+    """``loss.<field>=<value>`` overrides that turn a config's loss into ``preset``.
+
+    ``full_preset=False`` (default): only :data:`METHOD_FIELDS`, so all variants share the
+    config's clip range and KL coefficient and differ by method only. ``True``: every field of
+    the preset (then ``LossConfig`` equals ``LossConfig.preset(preset)`` exactly).
+    """
+    from reco_megatron.algo.config import PRESETS
+
+    if preset not in PRESETS:
+        raise ValueError(f"unknown loss preset {preset!r}; valid: {sorted(PRESETS)}")
+    fields = PRESETS[preset]
+    keys = list(fields) if full_preset else [k for k in METHOD_FIELDS if k in fields]
+    return [f"loss.{key}={_yaml_value(fields[key])}" for key in keys]
+
+
+def _yaml_value(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
+
+
+def add_ablation(
+    exp: Any,
+    executor: Any,
+    *,
+    config: str,
+    overrides: Sequence[str] = (),
+    output_root: str = "runs/ablation",
+    variants: Sequence[str] = ABLATION,
+    full_preset: bool = False,
+) -> list[str]:
+    """Add one task per variant to ``exp`` (inside ``with exp:``); returns the task names.
+
+    Each task: ``config``, then the variant's loss overrides, then ``overrides``, then
+    ``trainer.output_dir=<output_root>/<variant>``.
+    """
+    for variant in variants:
+        args = [
+            *ablation_overrides(variant, full_preset=full_preset),
+            *overrides,
+            f"trainer.output_dir={output_root}/{variant}",
+        ]
+        exp.add(train_script(config, args), executor=executor.clone(), name=variant)
+    return list(variants)
+
+
+@contextmanager
+def ablation_experiment(
+    executor: Any, *, title: str = "reco-ablation", **kwargs: Any
+) -> Iterator[Any]:
+    """``with ablation_experiment(executor, config=...) as exp: exp.run()`` (or ``dryrun()``).
+
+    A ``nemo_run.Experiment`` holding the tasks of :func:`add_ablation` (``kwargs`` go there).
+    """
+    run = import_nemo_run()
+    with run.Experiment(title) as exp:
+        add_ablation(exp, executor, **kwargs)
+        yield exp
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line: see the module docstring. Returns the exit code."""
+    p = argparse.ArgumentParser(prog="python -m launch.experiments", description=__doc__)
+    p.add_argument("--executor", choices=("local", "slurm"), default="local")
+    p.add_argument("--config", default="examples/tiny_cpu.yaml")
+    p.add_argument("--output-root", default="runs/ablation")
+    p.add_argument("--variants", default=",".join(ABLATION), help="comma-separated presets")
+    p.add_argument("--nproc-per-node", type=int, default=1, help="local: torchrun processes")
+    p.add_argument("--account", default="", help="slurm: account")
+    p.add_argument("--partition", default=None, help="slurm: partition")
+    p.add_argument("--nodes", type=int, default=1, help="slurm: nodes per run")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="slurm: GPUs per node")
+    p.add_argument("--container-image", default="nvcr.io#nvidia/pytorch:25.04-py3")
+    p.add_argument("--time", default="04:00:00", help="slurm: time limit per run")
+    p.add_argument("--job-dir", default="", help="slurm: NeMo-Run job dir (on the cluster)")
+    p.add_argument("--ssh-host", default=None, help="slurm: submit through SSH to this host")
+    p.add_argument("--full-preset", action="store_true", help="apply every preset field")
+    p.add_argument("--dryrun", action="store_true", help="render, do not run")
+    p.add_argument("overrides", nargs="*", help="section.key=value trainer overrides")
+    ns = p.parse_args(argv)
+    if ns.executor == "local":
+        executor = local_executor(ns.nproc_per_node)
+    else:
+        executor = slurm_executor(
+            account=ns.account,
+            partition=ns.partition,
+            nodes=ns.nodes,
+            gpus_per_node=ns.gpus_per_node,
+            container_image=ns.container_image or None,
+            time=ns.time,
+            job_dir=ns.job_dir,
+            ssh_host=ns.ssh_host,
+        )
+    with ablation_experiment(
+        executor,
+        config=ns.config,
+        overrides=ns.overrides,
+        output_root=ns.output_root,
+        variants=[v for v in ns.variants.split(",") if v],
+        full_preset=ns.full_preset,
+    ) as exp:
+        if ns.dryrun:
+            exp.dryrun()
+        else:
+            # Local CPU runs share the cores: one after another. Slurm jobs run side by side.
+            exp.run(sequential=ns.executor == "local", tail_logs=ns.executor == "local")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

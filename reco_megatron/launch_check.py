@@ -1,0 +1,122 @@
+"""Fail-fast check of a launch layout against a config, for the Slurm scripts.
+
+The scripts in ``slurm/`` call it before starting ``srun``, so a layout that cannot work
+fails in seconds with the fix, not after the job waited in the queue and loaded a model::
+
+    python -m reco_megatron.launch_check --nnodes 2 --nproc-per-node 8 --gpus-per-node 8 \\
+        examples/llama3.1-8b-instruct.yaml parallel.tensor_model_parallel_size=4
+
+On success it writes one line to stdout, ``TP=4 PP=1 CP=1 DP=4 WORLD=16``, and exits 0; on a
+bad fit (or an invalid config) it writes the reason and the fix to stderr and exits 2.
+``--gpus-per-node 0`` means a CPU run (gloo): the GPU checks are skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from reco_megatron.config import ConfigError, load_config, parse_cli
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """The resolved process layout of one run."""
+
+    tp: int
+    """Tensor parallel size."""
+    pp: int
+    """Pipeline parallel size."""
+    cp: int
+    """Context parallel size."""
+    dp: int
+    """Data parallel size: what is left of the world."""
+    world: int
+    """Processes in total (nodes x processes per node)."""
+
+    def line(self) -> str:
+        """The one-line summary the scripts print and parse."""
+        return f"TP={self.tp} PP={self.pp} CP={self.cp} DP={self.dp} WORLD={self.world}"
+
+
+def check_layout(
+    config_path: str | None,
+    overrides: Sequence[str],
+    *,
+    nnodes: int,
+    nproc_per_node: int,
+    gpus_per_node: int,
+) -> Layout:
+    """Resolve the config's parallel sizes and check them against the allocation.
+
+    Raises ``ValueError`` (the message says what to change) when: a process count is not
+    positive; more processes per node than GPUs; TP larger than one node (tensor parallelism
+    needs NVLink); the world size not divisible by TP x PP x CP; the model's heads or layers
+    not divisible by TP / PP. Raises :class:`ConfigError` for an invalid config.
+    """
+    from reco_megatron.trainer.config import TrainConfig
+
+    if nnodes < 1 or nproc_per_node < 1 or gpus_per_node < 0:
+        raise ValueError(
+            f"nodes={nnodes}, processes per node={nproc_per_node}, GPUs per node="
+            f"{gpus_per_node}: nodes and processes must be >= 1 and GPUs >= 0"
+        )
+    cfg = load_config(TrainConfig, config_path, list(overrides))
+    par = cfg.parallel
+    tp, pp, cp = (
+        par.tensor_model_parallel_size,
+        par.pipeline_model_parallel_size,
+        par.context_parallel_size,
+    )
+    world = nnodes * nproc_per_node
+    on_gpu = gpus_per_node > 0
+    if on_gpu and nproc_per_node > gpus_per_node:
+        raise ValueError(
+            f"NPROC_PER_NODE={nproc_per_node} processes per node but only {gpus_per_node} "
+            f"GPUs per node: run one process per GPU (NPROC_PER_NODE={gpus_per_node}) or "
+            "request more GPUs (--gpus-per-node)"
+        )
+    if on_gpu and tp > nproc_per_node:
+        raise ValueError(
+            f"parallel.tensor_model_parallel_size={tp} is larger than the {nproc_per_node} "
+            "processes of one node: tensor parallelism must stay inside a node (NVLink); "
+            f"use TP <= {nproc_per_node} and raise parallel.pipeline_model_parallel_size instead"
+        )
+    dp = par.data_parallel_size(world)  # raises with the fix when it does not divide
+    par.validate_for_model(cfg.model, cfg.model.num_layers, on_gpu=on_gpu)
+    return Layout(tp=tp, pp=pp, cp=cp, dp=dp, world=world)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line: see the module docstring. Returns the exit code."""
+    parser = argparse.ArgumentParser(
+        prog="python -m reco_megatron.launch_check",
+        description="Check that nodes x processes fit the config's TP x PP x CP.",
+    )
+    parser.add_argument("--nnodes", type=int, required=True, help="nodes of the allocation")
+    parser.add_argument("--nproc-per-node", type=int, required=True, help="processes per node")
+    parser.add_argument(
+        "--gpus-per-node", type=int, default=0, help="GPUs per node (0: a CPU run, gloo)"
+    )
+    parser.add_argument("args", nargs="*", help="CONFIG.yaml then dotted.key=value overrides")
+    ns = parser.parse_args(argv)
+    try:
+        config_path, overrides = parse_cli(ns.args)
+        layout = check_layout(
+            None if config_path is None else str(config_path),
+            overrides,
+            nnodes=ns.nnodes,
+            nproc_per_node=ns.nproc_per_node,
+            gpus_per_node=ns.gpus_per_node,
+        )
+    except (ConfigError, ValueError) as exc:
+        sys.stderr.write(f"reco launch check failed: {exc}\n")
+        return 2
+    sys.stdout.write(layout.line() + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+# shellcheck shell=bash
+# Shared by the reco-megatron Slurm scripts (sourced, not run). No training logic: it resolves
+# the allocation, checks the layout with `python -m reco_megatron.launch_check`, then starts one
+# `torchrun` per node with `srun` (optionally inside a pyxis/enroot container) and forwards
+# preemption signals to it. Every knob is an environment variable with a default:
+#
+#   CONFIG           YAML config passed to the trainer (set by the calling script)
+#   OUTPUT_DIR       trainer.output_dir; kept per job name so a requeued job resumes from
+#                    $OUTPUT_DIR/checkpoints/latest (default: $RECO_ROOT/runs/$SLURM_JOB_NAME)
+#   NPROC_PER_NODE   processes per node (default: GPUS_PER_NODE, or 1 on CPU)
+#   GPUS_PER_NODE    GPUs per node (default: $SLURM_GPUS_ON_NODE, else 0 = CPU/gloo)
+#   CONTAINER_IMAGE  pyxis image (e.g. nvcr.io#nvidia/pytorch:25.04-py3); empty = no container
+#   CONTAINER_MOUNTS pyxis mounts (default: the repo, and OUTPUT_DIR's parent)
+#   PYTHON           interpreter on the nodes (default: python; inside the container: python)
+#   RDZV_PORT        c10d rendezvous port on the head node (default: 29500 + job id % 1000)
+#   DRY_RUN=1        print the srun/torchrun command line instead of running it
+#   LAUNCH_CHECK=0   skip the layout check (not recommended)
+#   REQUEUE_ON_TIMEOUT=0  do not `scontrol requeue` after the time-limit warning (USR1)
+#   FORWARD_SIGNAL   signal sent to the srun step when the batch shell gets USR1/TERM (TERM)
+
+reco_log() { printf '[reco %s] %s\n' "$(date +%T)" "$*" >&2; }
+reco_die() { printf 'reco: error: %s\n' "$*" >&2; exit 1; }
+
+# The allocation: nodes, head node, job id. Outside Slurm (a dry run on a laptop) one node.
+reco_allocation() {
+  NNODES=${SLURM_NNODES:-${SLURM_JOB_NUM_NODES:-1}}
+  JOB_ID=${SLURM_JOB_ID:-0}
+  if [ -n "${SLURM_JOB_NODELIST:-}" ]; then
+    HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+  else
+    HEAD_NODE=$(hostname)
+  fi
+  [ -n "$HEAD_NODE" ] || reco_die "cannot resolve the head node from SLURM_JOB_NODELIST=${SLURM_JOB_NODELIST:-}"
+  RDZV_PORT=${RDZV_PORT:-$((29500 + JOB_ID % 1000))}
+  GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-0}}
+  if [ "$GPUS_PER_NODE" -gt 0 ]; then
+    NPROC_PER_NODE=${NPROC_PER_NODE:-$GPUS_PER_NODE}
+  else
+    NPROC_PER_NODE=${NPROC_PER_NODE:-1}
+  fi
+}
+
+# The environment NCCL / OpenMP / megatron users expect; anything already set wins.
+reco_export_env() {
+  local cpus=${SLURM_CPUS_PER_TASK:-$(nproc)}
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( cpus / NPROC_PER_NODE > 0 ? cpus / NPROC_PER_NODE : 1 ))}
+  export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
+  export PYTHONUNBUFFERED=1
+  if [ "$GPUS_PER_NODE" -gt 0 ]; then
+    # megatron overlaps TP communication with compute only with one hardware queue.
+    export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
+    export NCCL_IB_DISABLE=${NCCL_IB_DISABLE:-0}
+    export NCCL_IB_TIMEOUT=${NCCL_IB_TIMEOUT:-22}
+    export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+    export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
+  fi
+}
+
+# Build RECO_CMD: srun [container] torchrun ... -m reco_megatron.train CONFIG overrides...
+reco_build_command() {
+  local python=${PYTHON:-python}
+  RECO_CMD=(srun --nodes="$NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1)
+  if [ -n "${CONTAINER_IMAGE:-}" ]; then
+    local mounts=${CONTAINER_MOUNTS:-$RECO_ROOT:$RECO_ROOT,$(dirname "$OUTPUT_DIR"):$(dirname "$OUTPUT_DIR")}
+    RECO_CMD+=(--container-image="$CONTAINER_IMAGE" --container-mounts="$mounts"
+      --container-workdir="$RECO_ROOT")
+  fi
+  RECO_CMD+=("$python" -m torch.distributed.run
+    --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE"
+    --rdzv-backend c10d --rdzv-endpoint "$HEAD_NODE:$RDZV_PORT" --rdzv-id "$JOB_ID"
+    --max-restarts 0
+    -m reco_megatron.train "$CONFIG" "trainer.output_dir=$OUTPUT_DIR" "$@")
+}
+
+# Fail fast when nodes x processes do not fit the config's TP x PP x CP (logic in Python).
+reco_check_layout() {
+  [ "${LAUNCH_CHECK:-1}" = 0 ] && return 0
+  local python=${PYTHON:-python} check=(-m reco_megatron.launch_check
+    --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE" --gpus-per-node "$GPUS_PER_NODE"
+    "$CONFIG" "$@")
+  local layout
+  if (cd "$RECO_ROOT" && "$python" -c 'import reco_megatron' 2>/dev/null); then
+    layout=$(cd "$RECO_ROOT" && "$python" "${check[@]}") || exit 2
+  elif [ -n "${CONTAINER_IMAGE:-}" ] && [ "${DRY_RUN:-0}" != 1 ]; then
+    layout=$(srun --nodes=1 --ntasks=1 --container-image="$CONTAINER_IMAGE" \
+      --container-mounts="${CONTAINER_MOUNTS:-$RECO_ROOT:$RECO_ROOT}" \
+      --container-workdir="$RECO_ROOT" python "${check[@]}") || exit 2
+  else
+    reco_log "layout check skipped: $python cannot import reco_megatron here"
+    return 0
+  fi
+  reco_log "layout: $layout on $NNODES node(s) x $NPROC_PER_NODE process(es)"
+}
+
+# Forward USR1 (the --signal warning before the time limit) and TERM (preemption) to the
+# srun step, so torchrun passes it on to the trainer processes, which may checkpoint.
+reco_forward_signal() {
+  [ "$1" = USR1 ] && RECO_GOT_USR1=1
+  reco_log "got $1: sending ${FORWARD_SIGNAL:-TERM} to the training step (pid $RECO_SRUN_PID)"
+  kill -s "${FORWARD_SIGNAL:-TERM}" "$RECO_SRUN_PID" 2>/dev/null || true
+}
+
+# The whole launch: allocation, env, check, then run (or print, with DRY_RUN=1).
+reco_launch() {
+  [ -n "${CONFIG:-}" ] || reco_die "CONFIG is empty: CONFIG=examples/<model>.yaml sbatch ..."
+  [ -f "$RECO_ROOT/$CONFIG" ] || [ -f "$CONFIG" ] \
+    || reco_die "config $CONFIG not found (relative paths are from $RECO_ROOT)"
+  reco_allocation
+  OUTPUT_DIR=${OUTPUT_DIR:-$RECO_ROOT/runs/${SLURM_JOB_NAME:-reco}}
+  reco_export_env
+  reco_check_layout "$@"
+  reco_build_command "$@"
+  if [ "${DRY_RUN:-0}" = 1 ]; then
+    printf '%q ' "${RECO_CMD[@]}"
+    printf '\n'
+    return 0
+  fi
+  if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then
+    reco_log "requeue #$SLURM_RESTART_COUNT: the trainer resumes from $OUTPUT_DIR/checkpoints/latest"
+  fi
+  mkdir -p "$OUTPUT_DIR"
+  reco_log "output dir $OUTPUT_DIR; head node $HEAD_NODE:$RDZV_PORT"
+  cd "$RECO_ROOT" || reco_die "cannot cd to $RECO_ROOT"
+  "${RECO_CMD[@]}" &
+  RECO_SRUN_PID=$!
+  trap 'reco_forward_signal USR1' USR1
+  trap 'reco_forward_signal TERM' TERM
+  local rc=0
+  # wait returns early (> 128) when a trapped signal arrives: wait again for the step.
+  while true; do
+    wait "$RECO_SRUN_PID" && rc=0 || rc=$?
+    kill -0 "$RECO_SRUN_PID" 2>/dev/null || break
+  done
+  reco_log "training step exited with code $rc"
+  # Time limit ahead (USR1 from --signal): requeue so the next run resumes from the checkpoint.
+  if [ "${RECO_GOT_USR1:-0}" = 1 ] && [ "${REQUEUE_ON_TIMEOUT:-1}" = 1 ] && [ "$JOB_ID" != 0 ]; then
+    reco_log "requeueing job $JOB_ID (REQUEUE_ON_TIMEOUT=0 disables)"
+    scontrol requeue "$JOB_ID" || reco_log "scontrol requeue failed: resubmit with the same OUTPUT_DIR"
+  fi
+  return "$rc"
+}

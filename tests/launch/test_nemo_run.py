@@ -1,0 +1,131 @@
+"""NeMo-Run: the Slurm executor's sbatch script, and the tiny job through torchrun locally."""
+
+from __future__ import annotations
+
+import glob
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from reco_megatron.algo.config import LossConfig
+from reco_megatron.config import load_config
+from reco_megatron.trainer.config import TrainConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+
+try:
+    import nemo_run  # noqa: F401
+
+    HAVE_NEMO_RUN = True
+except ImportError:
+    HAVE_NEMO_RUN = False
+needs_nemo_run = pytest.mark.skipif(
+    not HAVE_NEMO_RUN, reason='nemo-run not installed: pip install -e ".[nemo-run]"'
+)
+
+
+@pytest.mark.parametrize("preset", ["grpo", "reco", "reco_response_only", "reco_token_only"])
+def test_ablation_overrides_reproduce_presets(preset: str) -> None:
+    from launch.experiments import METHOD_FIELDS, ablation_overrides
+
+    want = LossConfig.preset(preset)
+    full = load_config(TrainConfig, None, ablation_overrides(preset, full_preset=True))
+    assert full.loss == want
+    cfg = load_config(TrainConfig, ROOT / "examples/tiny_cpu.yaml", ablation_overrides(preset))
+    for name in METHOD_FIELDS:
+        assert getattr(cfg.loss, name) == getattr(want, name)
+
+
+@pytest.fixture
+def nemorun_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A private NEMORUN_HOME; stdin from /dev/null (NeMo-Run's invoke calls read stdin)."""
+    monkeypatch.setenv("NEMORUN_HOME", str(tmp_path / "nemorun"))
+    with open(os.devnull) as devnull:
+        monkeypatch.setattr(sys, "stdin", devnull)
+        yield tmp_path
+
+
+@needs_nemo_run
+def test_slurm_executor_sbatch_script(nemorun_home: Path) -> None:
+    from launch.executors import slurm_executor
+    from launch.experiments import ABLATION, ablation_experiment
+
+    ex = slurm_executor(
+        account="acct",
+        partition="batch",
+        nodes=2,
+        gpus_per_node=8,
+        time="01:00:00",
+        job_dir=str(nemorun_home / "jobs"),
+        container_mounts=["/lustre:/lustre"],
+        packager="none",
+    )
+    with ablation_experiment(
+        ex, config="examples/llama3.1-8b-instruct.yaml", overrides=["trainer.max_steps=3"]
+    ) as exp:
+        exp.dryrun(log=False, delete_exp_dir=False)
+        files = sorted(glob.glob(os.path.join(exp._exp_dir, "**", "*_sbatch.sh"), recursive=True))
+    names = {Path(f).name: f for f in files}
+    assert set(names) == {f"{v}_sbatch.sh" for v in ABLATION}
+    text = Path(names["grpo_sbatch.sh"]).read_text()
+    for line in (
+        "#SBATCH --account=acct",
+        "#SBATCH --partition=batch",
+        "#SBATCH --nodes=2",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --gpus-per-node=8",
+        "#SBATCH --time=01:00:00",
+        "#SBATCH --exclusive",
+        "#SBATCH --signal=B:USR1@180",
+        "export CUDA_DEVICE_MAX_CONNECTIONS=1",
+    ):
+        assert line in text, line
+    assert "--exclusive=False" not in text
+    assert "--container-image nvcr.io#nvidia/pytorch:25.04-py3" in text
+    assert "--nnodes 2 --nproc-per-node 8" in text and "--rdzv-backend c10d" in text
+    assert (
+        "-m reco_megatron.train examples/llama3.1-8b-instruct.yaml loss.objective=ppo_clip "
+        "loss.response_weight=none loss.token_ratio=importance trainer.max_steps=3 "
+        "trainer.output_dir=runs/ablation/grpo"
+    ) in text
+
+
+@needs_nemo_run
+def test_local_executor_tiny_two_processes(nemorun_home: Path) -> None:
+    from launch.executors import local_executor
+    from launch.experiments import ablation_experiment
+
+    tiny = [
+        "trainer.max_steps=2",
+        "sft.steps=2",
+        "rollout.prompts_per_step=4",
+        "rollout.group_size=4",
+        "rollout.max_new_tokens=8",
+        "model.num_layers=2",
+        "model.hidden_size=32",
+        "model.ffn_hidden_size=64",
+        "parallel.micro_batch_size=2",
+        "data.countdown.n_train=64",
+        "data.countdown.n_eval=8",
+        "trainer.progress=false",
+        f"data.tokenizer={ROOT}/examples/tiny/countdown_sp.model",
+    ]
+    out = nemorun_home / "runs"
+    with ablation_experiment(
+        local_executor(2, env={"PYTHONPATH": str(ROOT)}),
+        config=str(ROOT / "examples/tiny_cpu.yaml"),
+        overrides=tiny,
+        output_root=str(out),
+        variants=["reco"],
+    ) as exp:
+        exp.run(sequential=True)
+    # Leaving the context waits for the jobs.
+    status = exp.status(return_dict=True)
+    assert str(status["reco"]["status"]).endswith("SUCCEEDED"), status
+    run_dir = out / "reco"
+    assert (run_dir / "metrics.jsonl").read_text().strip()
+    assert (run_dir / "checkpoints" / "latest").exists()
+    assert local_executor(2).nproc_per_node() == 2  # torchrun --nproc-per-node 2

@@ -1,0 +1,167 @@
+"""The Slurm scripts without Slurm: dry runs under a fake multi-node allocation, shellcheck."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = [*sorted((ROOT / "slurm").glob("*.sh")), ROOT / "slurm/reco.sbatch"]
+
+
+def _fake_allocation(tmp_path: Path, nodes: list[str]) -> dict[str, str]:
+    """Environment of a fake Slurm job on ``nodes`` with a fake ``scontrol`` on PATH."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    scontrol = bin_dir / "scontrol"
+    names = "\n".join(nodes)
+    scontrol.write_text(
+        f'#!/bin/sh\n[ "$1 $2" = "show hostnames" ] || exit 3\nprintf "%s\\n" "{names}"\n'
+    )
+    scontrol.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(
+        PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}",
+        SLURM_JOB_NODELIST=f"gpu[001-{len(nodes):03d}]",
+        SLURM_NNODES=str(len(nodes)),
+        SLURM_JOB_ID="4242",
+        SLURM_JOB_NAME="reco-llama8b",
+        SLURM_CPUS_PER_TASK="96",
+        DRY_RUN="1",
+        PYTHON=sys.executable,
+        PYTHONPATH=str(ROOT),
+    )
+    return env
+
+
+def _dry_run(script: str, env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", str(ROOT / script), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+
+
+def test_llama8b_dry_run_multinode(tmp_path: Path) -> None:
+    env = _fake_allocation(tmp_path, ["gpu001", "gpu002", "gpu003", "gpu004"])
+    env["OUTPUT_DIR"] = "/lustre/runs/llama8b"
+    res = _dry_run("slurm/reco_llama8b.sh", env, "trainer.max_steps=7", "rollout.top_p=0.9")
+    assert res.returncode == 0, res.stderr
+    cmd = shlex.split(res.stdout.strip())
+    assert cmd[:4] == ["srun", "--nodes=4", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
+    i = cmd.index("torch.distributed.run")
+    run = cmd[i + 1 :]
+
+    def opt(name: str) -> str:
+        return run[run.index(name) + 1]
+
+    assert opt("--nnodes") == "4" and opt("--nproc-per-node") == "8"
+    assert opt("--rdzv-backend") == "c10d" and opt("--rdzv-id") == "4242"
+    assert opt("--rdzv-endpoint") == f"gpu001:{29500 + 4242 % 1000}"
+    tail = run[run.index("reco_megatron.train") + 1 :]
+    assert tail == [
+        "examples/llama3.1-8b-instruct.yaml",
+        "trainer.output_dir=/lustre/runs/llama8b",
+        "trainer.max_steps=7",
+        "rollout.top_p=0.9",
+    ]
+    assert "layout: TP=2 PP=1 CP=1 DP=16 WORLD=32" in res.stderr
+
+
+def test_llama8b_dry_run_container(tmp_path: Path) -> None:
+    env = _fake_allocation(tmp_path, ["gpu001", "gpu002"])
+    env.update(
+        CONTAINER_IMAGE="nvcr.io#nvidia/pytorch:25.04-py3",
+        CONTAINER_MOUNTS="/a:/a",
+        LAUNCH_CHECK="0",
+    )
+    res = _dry_run("slurm/reco_llama8b.sh", env)
+    assert res.returncode == 0, res.stderr
+    cmd = shlex.split(res.stdout.strip())
+    assert "--container-image=nvcr.io#nvidia/pytorch:25.04-py3" in cmd
+    assert "--container-mounts=/a:/a" in cmd
+    assert f"--container-workdir={ROOT}" in cmd
+
+
+@pytest.mark.parametrize(
+    ("extra_env", "args", "needle"),
+    [
+        # Each layout case runs the Python check (a torch import); the other bad fits are
+        # covered in-process by tests/launch/test_configs.py::test_layout_fails_fast.
+        ({}, ["parallel.tensor_model_parallel_size=16"], "must stay inside a node"),
+        ({"CONFIG": "examples/nope.yaml"}, [], "config examples/nope.yaml not found"),
+    ],
+)
+def test_llama8b_fails_fast(
+    tmp_path: Path, extra_env: dict[str, str], args: list[str], needle: str
+) -> None:
+    env = _fake_allocation(tmp_path, ["gpu001", "gpu002", "gpu003"])
+    env.update(extra_env)
+    res = _dry_run("slurm/reco_llama8b.sh", env, *args)
+    assert res.returncode != 0
+    assert needle in res.stderr
+    assert "srun" not in res.stdout
+
+
+def test_generic_sbatch_needs_config(tmp_path: Path) -> None:
+    env = _fake_allocation(tmp_path, ["n1"])
+    env["LAUNCH_CHECK"] = "0"
+    res = _dry_run("slurm/reco.sbatch", env)
+    assert res.returncode != 0 and "CONFIG is empty" in res.stderr
+    env.update(CONFIG="examples/qwen2.5-math-7b.yaml", GPUS_PER_NODE="8")
+    res = _dry_run("slurm/reco.sbatch", env, "trainer.seed=3")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.rstrip().endswith("trainer.seed=3")
+
+
+def test_tiny_dry_run_cpu(tmp_path: Path) -> None:
+    env = _fake_allocation(tmp_path, ["localhost"])
+    env.update(NPROC_PER_NODE="2", LAUNCH_CHECK="0")
+    res = _dry_run("slurm/reco_tiny.sh", env, "trainer.max_steps=2")
+    assert res.returncode == 0, res.stderr
+    cmd = shlex.split(res.stdout.strip())
+    assert cmd[cmd.index("--nproc-per-node") + 1] == "2"
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in res.stdout
+
+
+def test_sbatch_headers() -> None:
+    for script in SCRIPTS:
+        if script.name == "common.sh":
+            continue
+        text = script.read_text()
+        for directive in (
+            "--nodes",
+            "--ntasks-per-node=1",
+            "--time",
+            "--signal=B:USR1@",
+            "--requeue",
+        ):
+            assert f"#SBATCH {directive}" in text, (script.name, directive)
+        assert 'reco_launch "$@"' in text
+
+
+@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed")
+def test_shellcheck_clean() -> None:
+    res = subprocess.run(
+        [
+            "shellcheck",
+            "-x",
+            *map(str, SCRIPTS),
+            str(ROOT / ".ci/slurm_up.sh"),
+            str(ROOT / ".ci/slurm_down.sh"),
+            str(ROOT / ".ci/run"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
