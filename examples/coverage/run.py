@@ -153,13 +153,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-prompts", type=int, default=32)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--eval-interval", type=int, default=0, help="coverage eval during RL")
     p.add_argument("--jobs", type=int, default=1, help="RL runs in parallel")
     p.add_argument("--smoke", action="store_true", help="1 seed, tiny budget (CI)")
     args = p.parse_args(argv)
     if args.smoke:
         args.seeds, args.sft_steps, args.rl_steps = args.seeds[:1], 8, 2
         args.n = args.kmax = 4
-        args.eval_prompts, args.prompts_per_step = 3, 4
+        args.eval_prompts, args.prompts_per_step, args.eval_interval = 3, 4, 1
     out = args.out.resolve()
     (out / "logs").mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
@@ -186,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
             f"rollout.prompts_per_step={args.prompts_per_step}",
             f"optimizer.lr={args.lr}",
             "checkpoint.save_interval=0",
+            f"eval.interval={args.eval_interval}",
+            f"eval.n={min(args.n, 8)}",
+            f"eval.num_prompts={min(args.eval_prompts, 8)}",
             *COMMON,
             *METHODS[method],
         ]
