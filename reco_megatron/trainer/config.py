@@ -13,6 +13,7 @@ from typing import Literal
 
 from reco_megatron.algo import LossConfig
 from reco_megatron.data.dataset import DatasetConfig
+from reco_megatron.eval.during_training import EvalConfig
 from reco_megatron.megatron.distributed import ParallelConfig
 from reco_megatron.megatron.engine import UpdateConfig
 from reco_megatron.megatron.model import ModelConfig
@@ -178,6 +179,8 @@ class TrainConfig:
     """Checkpoints."""
     stability: StabilityConfig = field(default_factory=StabilityConfig)
     """Guards on NaN/Inf and on the ReCo quantities (docs/stability.md)."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Periodic pass@k / diversity on held-out prompts (``eval.interval=0`` disables)."""
 
     def __post_init__(self) -> None:
         total = self.rollout.prompts_per_step

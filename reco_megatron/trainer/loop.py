@@ -91,6 +91,7 @@ class Trainer:
         self._initialise_weights()
         if self.rank == 0:
             dump_config(cfg, self.out / "config.yaml")
+        self.coverage = self._coverage_evaluator()
         self.writer = (
             MetricsWriter(
                 self.out,
@@ -312,10 +313,12 @@ class Trainer:
         stop = StopSignal().install()
         status = 0
         try:
+            self._evaluate_coverage()
             while self.step < cfg.trainer.max_steps:
                 row = self.train_step()
                 if self.writer is not None:
                     self.writer.write(row)
+                self._evaluate_coverage()
                 if self._stop_requested(stop):
                     self.save()
                     logger.warning(
@@ -336,7 +339,44 @@ class Trainer:
             self.close()
         if status == 0 and self.rank == 0 and (self.out / "metrics.jsonl").exists():
             plot_training_curves(self.out / "metrics.jsonl", self.out / "training_curves.png")
+        if status == 0 and self.coverage is not None:
+            self.coverage.finish()
         return status
+
+    # ------------------------------------------------------------------ coverage eval
+    def _coverage_evaluator(self) -> Any:
+        """The periodic pass@k evaluator on global rank 0 (None when off or elsewhere)."""
+        from reco_megatron.eval.during_training import CoverageEvaluator, held_out_path
+
+        cfg = self.cfg
+        path = held_out_path(cfg.data.eval_path, self.out)
+        if not cfg.eval.interval or self.rank != 0 or self.rewards is None:
+            return None
+        if path is None:
+            raise SystemExit(
+                "eval.interval is set but there is no held-out set: set data.eval_path"
+            )
+        return CoverageEvaluator(
+            cfg.eval,
+            path,
+            self.out,
+            self.tokenizer,
+            self.formatter,
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            max_prompt_len=cfg.rollout.max_prompt_len,
+        )
+
+    def _evaluate_coverage(self) -> None:
+        """pass@k on the held-out prompts with the rollout engine's current weights (rank 0)."""
+        if self.coverage is None or self.rewards is None:
+            return
+        rewards = self.rewards
+        self.coverage.maybe_run(
+            self.step,
+            self.cfg.trainer.max_steps,
+            self.rollout.engine,
+            lambda texts, golds: rewards.score(texts, golds).scores,
+        )
 
     def close(self) -> None:
         from reco_megatron.megatron.checkpoint_compat import shutdown_async_writer

@@ -1,0 +1,194 @@
+"""The evaluation pipeline behind ``reco-eval``: checkpoints x dataset -> tables and a plot.
+
+:class:`EvalSettings` holds the protocol; :func:`run_evaluation` loads the dataset once,
+evaluates every checkpoint on the same problems with the same per-problem seeds, and writes
+``passk.json``, ``passk.md`` and ``passk.png`` into ``out_dir``. The paper protocol
+(T = 0.6, top-p = 0.95, n = 256, vLLM) is the default on GPU; on CPU the sample count defaults
+to 16 (see ``docs/evaluation.md``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from reco_megatron.data.chat import PromptFormatter
+from reco_megatron.data.dataset import DatasetConfig, PromptDataset
+from reco_megatron.data.tokenizer import HFTokenizer, SentencePieceTokenizer, Tokenizer
+from reco_megatron.eval import report
+from reco_megatron.eval.checkpoints import EngineName, as_hf_dir, build_engine, checkpoint_kind
+from reco_megatron.eval.metrics import check_kmax, coverage_summary, ks_up_to
+from reco_megatron.eval.runner import EvalProblem, evaluate_problems
+from reco_megatron.rewards.pool import RewardPool, RewardPoolConfig
+from reco_megatron.rollout.base import SamplingParams
+from reco_megatron.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+PAPER_PROTOCOL: dict[str, Any] = {"temperature": 0.6, "top_p": 0.95, "n": 256}
+"""The paper-style protocol: T = 0.6, top-p 0.95, n = 256 samples per problem."""
+
+
+@dataclass(kw_only=True)
+class EvalSettings:
+    """One evaluation: what to sample, how to grade, where to write."""
+
+    checkpoints: list[tuple[str, str]]
+    """``(label, path)`` pairs: HF directories or reco-megatron checkpoints."""
+    data: str
+    """Local ``.jsonl`` / ``.parquet`` file of problems."""
+    out_dir: str
+    """Where ``passk.json``, ``passk.md``, ``passk.png`` (and exported checkpoints) go."""
+    tokenizer: str = ""
+    """SentencePiece ``.model`` or HF tokenizer directory; empty: the first HF checkpoint's."""
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    """Field names of the data file (``prompt``, ``answer``, ``id`` by default)."""
+    template: str = "{prompt}\n"
+    """Prompt template when the tokenizer has no chat template."""
+    reward: str = "math"
+    """Grader: ``math``, ``countdown`` or ``module:function``."""
+    reward_workers: int = 2
+    """Reward worker processes."""
+    n: int = 16
+    """Samples per problem (the paper: 256)."""
+    kmax: int = 16
+    """Largest k reported; ``k`` runs over 1, 2, 4, ... up to it (needs ``n >= kmax``)."""
+    temperature: float = 0.6
+    """Sampling temperature (the paper: 0.6)."""
+    top_p: float = 0.95
+    """Nucleus threshold (the paper: 0.95)."""
+    max_new_tokens: int = 64
+    """Longest response in tokens."""
+    seed: int = 0
+    """Evaluation seed; each problem's samples are seeded by ``(seed, problem id)``."""
+    limit: int = 0
+    """Evaluate only the first ``limit`` problems (0: all)."""
+    engine: EngineName = "embedded"
+    """``embedded`` (transformers, CPU default) or ``vllm`` (GPU)."""
+    device: str = "cpu"
+    """Device of the embedded engine."""
+    tensor_parallel_size: int = 1
+    """vLLM tensor parallelism."""
+    progress: bool = True
+    """tqdm progress bar while sampling."""
+
+    def __post_init__(self) -> None:
+        if not self.checkpoints:
+            raise ValueError("no checkpoint given: pass at least one checkpoint directory")
+        for name in ("n", "kmax", "max_new_tokens", "reward_workers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        check_kmax(self.kmax, self.n)
+        if self.engine not in ("embedded", "vllm"):
+            raise ValueError(f"engine must be 'embedded' or 'vllm', got {self.engine!r}")
+
+    def protocol(self) -> dict[str, Any]:
+        """The sampling protocol recorded next to the results."""
+        keys = ("n", "kmax", "temperature", "top_p", "max_new_tokens", "seed", "reward", "engine")
+        return {key: getattr(self, key) for key in keys} | {"data": self.data}
+
+
+def load_tokenizer(spec: str | Path) -> Tokenizer:
+    """A SentencePiece ``.model`` file or a Hugging Face tokenizer directory."""
+    path = Path(spec)
+    if path.suffix == ".model" and path.is_file():
+        return SentencePieceTokenizer(path)
+    if path.is_dir():
+        return HFTokenizer(str(path))
+    raise FileNotFoundError(
+        f"tokenizer {str(spec)!r} is neither a SentencePiece .model file nor a directory: pass "
+        "--tokenizer examples/tiny/countdown_sp.model or a local HF model directory"
+    )
+
+
+def load_problems(settings: EvalSettings, tokenizer: Tokenizer) -> list[EvalProblem]:
+    """The dataset's problems, formatted and tokenized (``limit`` applied)."""
+    dataset = PromptDataset(settings.data, settings.dataset, tokenizer=tokenizer)
+    formatter = PromptFormatter(tokenizer=tokenizer, template=settings.template)
+    records = list(dataset)
+    if settings.limit:
+        records = records[: settings.limit]
+    return [
+        EvalProblem(id=r.id, prompt_ids=tokenizer.encode(formatter.format(r.prompt)), gold=r.answer)
+        for r in records
+    ]
+
+
+def _max_model_len(hf_dir: Path, problems: list[EvalProblem], max_new_tokens: int) -> int:
+    config = json.loads((hf_dir / "config.json").read_text(encoding="utf-8"))
+    need = max(len(p.prompt_ids) for p in problems) + max_new_tokens
+    limit = int(config.get("max_position_embeddings", need))
+    return min(need, limit)  # too long: the engine names the prompt and the limit
+
+
+def run_evaluation(settings: EvalSettings) -> dict[str, Any]:
+    """Evaluate every checkpoint; write the outputs; return ``{"entries", "paths"}``."""
+    out = Path(settings.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for _, path in settings.checkpoints:  # fail fast, before any export or sampling
+        checkpoint_kind(path)
+    hf_dirs = [(label, as_hf_dir(path, out / "exported")) for label, path in settings.checkpoints]
+    tok_spec = settings.tokenizer or str(hf_dirs[0][1])
+    tokenizer = load_tokenizer(tok_spec)
+    problems = load_problems(settings, tokenizer)
+    ks = ks_up_to(settings.kmax)
+    sampling = SamplingParams(
+        temperature=settings.temperature,
+        top_p=settings.top_p,
+        max_new_tokens=settings.max_new_tokens,
+        stop_token_ids=(tokenizer.eos_id,),
+    )
+    entries: list[dict[str, Any]] = []
+    pool = RewardPool(RewardPoolConfig(reward=settings.reward, num_workers=settings.reward_workers))
+    try:
+        for (label, src), (_, hf_dir) in zip(settings.checkpoints, hf_dirs, strict=True):
+            start = time.perf_counter()
+            engine = build_engine(
+                hf_dir,
+                engine=settings.engine,
+                max_model_len=_max_model_len(hf_dir, problems, settings.max_new_tokens),
+                eos_token_ids=(tokenizer.eos_id,),
+                seed=settings.seed,
+                device=settings.device,
+                tensor_parallel_size=settings.tensor_parallel_size,
+            )
+            try:
+                results = evaluate_problems(
+                    engine,
+                    problems,
+                    n=settings.n,
+                    sampling=sampling,
+                    grade=lambda texts, golds: pool.score(texts, golds).scores,
+                    decode=tokenizer.decode,
+                    seed=settings.seed,
+                    progress=settings.progress,
+                    desc=label,
+                )
+            finally:
+                engine.close()
+            summary = coverage_summary(results, ks)
+            summary["time_s"] = time.perf_counter() - start
+            logger.info(
+                "%s: %s",
+                label,
+                " ".join(f"{k}={summary[k]:.3f}" for k in summary if k.startswith("pass@")),
+            )
+            entries.append(report.entry(label, src, summary, results, settings.protocol()))
+    finally:
+        pool.close()
+    rows = [(e["label"], e["summary"]) for e in entries]
+    paths = {
+        "json": report.write_json(out / "passk.json", entries),
+        "png": report.plot_passk(out / "passk.png", rows, title=Path(settings.data).name),
+    }
+    md = out / "passk.md"
+    md.write_text(report.markdown_table(rows), encoding="utf-8")
+    paths["md"] = md
+    (out / "settings.json").write_text(
+        json.dumps(asdict(settings), indent=1, default=str) + "\n", encoding="utf-8"
+    )
+    return {"entries": entries, "paths": paths}
