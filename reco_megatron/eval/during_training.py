@@ -94,7 +94,9 @@ class CoverageEvaluator:
             stop_token_ids=(tokenizer.eos_id,),
         )
         self.rows: list[dict[str, Any]] = []
-        self._last_step: int | None = None
+        log = self.out / "eval.jsonl"  # a resumed run does not evaluate a logged step again
+        lines = log.read_text(encoding="utf-8").splitlines() if log.exists() else []
+        self._done: set[int] = {json.loads(x)["step"] for x in lines if x.strip()}
         logger.info(
             "coverage eval every %d steps on %d held-out prompts of %s (n=%d)",
             cfg.interval,
@@ -105,7 +107,7 @@ class CoverageEvaluator:
 
     def due(self, step: int, max_steps: int) -> bool:
         """Whether ``step`` is an evaluation step (0, every ``interval``, and the last)."""
-        if not self.cfg.interval or step == self._last_step:
+        if not self.cfg.interval or step in self._done:
             return False
         return step == 0 or step % self.cfg.interval == 0 or step == max_steps
 
@@ -132,7 +134,7 @@ class CoverageEvaluator:
         row: dict[str, Any] = {"step": step, **coverage_summary(results, self.ks)}
         row["time_s"] = time.perf_counter() - start
         self.rows.append(row)
-        self._last_step = step
+        self._done.add(step)
         with (self.out / "eval.jsonl").open("a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
         logger.info(

@@ -349,13 +349,15 @@ class Trainer:
         from reco_megatron.eval.during_training import CoverageEvaluator, held_out_path
 
         cfg = self.cfg
-        path = held_out_path(cfg.data.eval_path, self.out)
-        if not cfg.eval.interval or self.rank != 0 or self.rewards is None:
+        if not cfg.eval.interval:
             return None
-        if path is None:
+        path = held_out_path(cfg.data.eval_path, self.out)
+        if path is None:  # checked on every rank, so no rank waits for a failed one
             raise SystemExit(
                 "eval.interval is set but there is no held-out set: set data.eval_path"
             )
+        if self.rank != 0 or self.rewards is None:
+            return None
         return CoverageEvaluator(
             cfg.eval,
             path,

@@ -54,3 +54,13 @@ def test_schedule_rows_and_curve(tmp_path) -> None:
     assert [r["step"] for r in rows] == ran
     assert rows[0]["pass@1"] == pytest.approx(12 / 32) and rows[0]["rare_correct_frac"] == 0.25
     assert cov.finish() == tmp_path / "coverage_curve.png"
+    resumed = CoverageEvaluator(
+        EvalConfig(interval=3, n=8),
+        data,
+        tmp_path,
+        _Tok(),
+        PromptFormatter(template="{prompt}"),
+        max_new_tokens=4,
+        max_prompt_len=8,
+    )
+    assert not resumed.due(6, 7) and resumed.due(9, 12)  # logged steps are not redone
