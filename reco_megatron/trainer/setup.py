@@ -25,7 +25,7 @@ def prepare_output_dir(path: str | Path) -> Path:
     out = Path(path)
     try:
         out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".write_probe"
+        probe = out / f".write_probe.{os.getpid()}"  # per process: ranks share the directory
         probe.write_bytes(b"ok")
         probe.unlink()
     except OSError as exc:

@@ -9,9 +9,11 @@ engine for its data-parallel replica, so every rank receives every tensor.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from reco_megatron.megatron.hf_checkpoint import all_stage_hf_weights
 from reco_megatron.megatron.hf_config import hf_config_from_model_config
@@ -89,16 +91,37 @@ def build_rollout_engine(cfg: Any, tokenizer: Any) -> RolloutClient:
     else:
         from reco_megatron.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
 
+        model_dir = write_rollout_model_dir(cfg, hf_config)
+        dtype = cfg.model.params_dtype
         engine = VLLMEngine(
-            hf_config,
             VLLMEngineConfig(
+                model=str(model_dir),
                 tensor_parallel_size=cfg.parallel.tensor_model_parallel_size,
                 max_model_len=max_len,
                 gpu_memory_utilization=r.gpu_memory_utilization,
+                dtype="float32" if dtype == "float32" else dtype,
+                load_format="dummy",  # the weights come from update_weights
                 seed=cfg.trainer.seed,
-            ),
+                extra_llm_kwargs={"skip_tokenizer_init": True},  # we pass token ids
+            )
         )
     return RolloutClient(engine, sampling)
+
+
+def write_rollout_model_dir(cfg: Any, hf_config: dict[str, Any]) -> Path:
+    """``<output_dir>/rollout_model/config.json``: the policy architecture vLLM builds (with
+    dummy weights, replaced by the first :func:`sync_weights`). Written by global rank 0."""
+    import json
+
+    out = Path(cfg.trainer.output_dir) / "rollout_model"
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = out / "config.json.tmp"
+        tmp.write_text(json.dumps(hf_config, indent=1, sort_keys=True))
+        tmp.replace(out / "config.json")
+    if dist.is_initialized():
+        dist.barrier()
+    return out
 
 
 def sync_weights(engine: Any, rollout: RolloutClient, model_cfg: ModelConfig) -> None:

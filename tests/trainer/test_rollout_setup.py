@@ -1,0 +1,22 @@
+"""The rollout side of the trainer without a GPU: the model directory vLLM is pointed at."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from reco_megatron.config import load_config
+from reco_megatron.megatron.hf_config import hf_config_from_model_config, model_config_from_hf
+from reco_megatron.trainer.config import TrainConfig
+from reco_megatron.trainer.weight_sync import write_rollout_model_dir
+
+
+def test_rollout_model_dir_describes_the_policy(tmp_path: Path) -> None:
+    cfg = load_config(TrainConfig, "examples/tiny_cpu.yaml", [f"trainer.output_dir={tmp_path}"])
+    out = write_rollout_model_dir(cfg, hf_config_from_model_config(cfg.model))
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(out)
+    assert hf.num_hidden_layers == cfg.model.num_layers
+    back = model_config_from_hf(out, make_vocab_size_divisible_by=64)
+    assert back.hidden_size == cfg.model.hidden_size
+    assert back.query_groups == cfg.model.query_groups
