@@ -190,8 +190,6 @@ class TrainConfig:
                 f"rollout.prompts_per_step={total} must be divisible by "
                 f"update.minibatches_per_rollout={n} (each mini-batch holds whole groups)"
             )
-        if self.loss.loss_normalizer is None and self.loss.aggregation == "seq_mean_token_sum_norm":
-            self.loss.loss_normalizer = float(self.rollout.max_new_tokens)
         need = self.rollout.max_prompt_len + self.rollout.max_new_tokens
         if need > self.model.max_position_embeddings:
             raise ValueError(
