@@ -5,7 +5,7 @@ with a docstring string under each field and a ``__post_init__`` that raises Val
 
     config = load_config(TrainConfig, "examples/reco.yaml", ["loss.eps_high=0.28"])
     dump_config(config, run_dir / "config.yaml")       # load_config(TrainConfig, it) == config
-    print(describe_config(TrainConfig))                 # dotted keys, types, defaults, docs
+    reference = describe_config(TrainConfig)           # dotted keys, types, defaults, docs
 
 The syntax, the error messages and the section-to-dataclass mapping: ``docs/configuration.md``.
 """
