@@ -13,6 +13,7 @@ import pytest
 from reco_megatron.algo.config import LossConfig
 from reco_megatron.config import load_config
 from reco_megatron.trainer.config import TrainConfig
+from tests.tiny_overrides import TINY_RUN
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -99,18 +100,10 @@ def test_local_executor_tiny_two_processes(nemorun_home: Path) -> None:
     from launch.experiments import ablation_experiment
 
     tiny = [
+        *TINY_RUN,
         "trainer.max_steps=2",
         "sft.steps=2",
-        "rollout.prompts_per_step=4",
-        "rollout.group_size=4",
-        "rollout.max_new_tokens=8",
-        "model.num_layers=2",
-        "model.hidden_size=32",
-        "model.ffn_hidden_size=64",
         "parallel.micro_batch_size=2",
-        "data.countdown.n_train=64",
-        "data.countdown.n_eval=8",
-        "trainer.progress=false",
         f"data.tokenizer={ROOT}/examples/tiny/countdown_sp.model",
     ]
     out = nemorun_home / "runs"

@@ -17,22 +17,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.tiny_overrides import TINY_RUN
+
 ROOT = Path(__file__).resolve().parents[2]
 IN_CI = os.environ.get("CI", "").lower() == "true"
-TINY = [
-    "trainer.max_steps=2",
-    "sft.steps=2",
-    "rollout.prompts_per_step=4",
-    "rollout.group_size=4",
-    "rollout.max_new_tokens=8",
-    "model.num_layers=2",
-    "model.hidden_size=32",
-    "model.ffn_hidden_size=64",
-    "parallel.micro_batch_size=4",
-    "data.countdown.n_train=64",
-    "data.countdown.n_eval=8",
-    "trainer.progress=false",
-]
+TINY = [*TINY_RUN, "trainer.max_steps=2", "sft.steps=2"]
 
 pytestmark = pytest.mark.slurm
 

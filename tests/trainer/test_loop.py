@@ -20,27 +20,11 @@ import pytest
 
 from reco_megatron.testing import run_distributed
 from reco_megatron.train import main
+from tests.tiny_overrides import TINY_RUN
 
 pytestmark = pytest.mark.dist
 
-TINY = [
-    "model.num_layers=2",
-    "model.hidden_size=32",
-    "model.ffn_hidden_size=64",
-    "model.num_attention_heads=4",
-    "model.num_query_groups=2",
-    "rollout.group_size=4",
-    "rollout.prompts_per_step=4",
-    "rollout.max_new_tokens=8",
-    "parallel.micro_batch_size=4",
-    "sft.steps=0",
-    "trainer.max_steps=3",
-    "trainer.progress=false",
-    "trainer.tensorboard=false",
-    "data.countdown.n_train=64",
-    "data.countdown.n_eval=8",
-    "checkpoint.save_interval=2",
-]
+TINY = [*TINY_RUN, "sft.steps=0", "trainer.max_steps=3", "checkpoint.save_interval=2"]
 
 
 def _run(rank, world_size, out: str, extra: list[str]):

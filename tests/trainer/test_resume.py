@@ -1,9 +1,9 @@
 """Preemption: SIGTERM mid-run, checkpoint, exit 75, rerun -> the same metrics rows.
 
-A real process gets a real signal (right after step 1 of 8 is logged). On CPU in one process every piece of the step is
-deterministic (per-prompt sampling seeds, restored weights, optimizer, scheduler, RNGs and
-data position), so the resumed run's rows equal the uninterrupted run's bit for bit, except
-the wall-clock ``time_*`` columns.
+A real process gets a real signal (right after step 1 of 8 is logged). On CPU in one
+process every piece of the step is deterministic (per-prompt sampling seeds, restored
+weights, optimizer, scheduler, RNGs and data position), so the resumed run's rows equal the
+uninterrupted run's bit for bit, except the wall-clock ``time_*`` columns.
 """
 
 from __future__ import annotations
