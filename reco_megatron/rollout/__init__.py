@@ -11,6 +11,7 @@ from reco_megatron.rollout.base import (
     Completion,
     FinishReason,
     RolloutEngine,
+    SamplingArg,
     SamplingParams,
     validate_requests,
 )
@@ -24,6 +25,7 @@ __all__ = [
     "EmbeddedEngineConfig",
     "FinishReason",
     "RolloutEngine",
+    "SamplingArg",
     "SamplingParams",
     "VLLMEngine",
     "VLLMEngineConfig",

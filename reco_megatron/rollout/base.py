@@ -123,29 +123,60 @@ class Completion:
             )
 
 
+SamplingArg = SamplingParams | Sequence[SamplingParams]
+"""What ``generate`` takes: one :class:`SamplingParams` for every prompt, or one per prompt."""
+
+
+def per_prompt_sampling(
+    prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingArg
+) -> list[SamplingParams]:
+    """``[len(prompt_token_ids)]`` sampling settings: ``sampling`` repeated, or checked as a list.
+
+    A list lets one batched call give every prompt its own seed (the trainer's one seed per
+    prompt, which keeps a prompt's responses independent of the data-parallel layout).
+    """
+    if isinstance(sampling, SamplingParams):
+        return [sampling] * len(prompt_token_ids)
+    if isinstance(sampling, str | bytes | Mapping) or not isinstance(sampling, Sequence):
+        raise TypeError(
+            "sampling must be a SamplingParams or a list of them (one per prompt), got "
+            f"{type(sampling).__name__}"
+        )
+    params = list(sampling)
+    if len(params) != len(prompt_token_ids):
+        raise ValueError(
+            f"got {len(params)} SamplingParams for {len(prompt_token_ids)} prompts; pass one "
+            "per prompt, or a single SamplingParams for all"
+        )
+    for i, p in enumerate(params):
+        if not isinstance(p, SamplingParams):
+            raise TypeError(f"sampling[{i}] must be a SamplingParams, got {type(p).__name__}")
+    return params
+
+
 def validate_requests(
     prompt_token_ids: Sequence[Sequence[int]],
     n: int,
-    sampling: SamplingParams,
+    sampling: SamplingArg,
     *,
     max_model_len: int,
     vocab_size: int,
-) -> None:
-    """Reject requests no engine should run, naming the prompt index.
+) -> list[SamplingParams]:
+    """Reject requests no engine should run, naming the prompt index; return the per-prompt
+    sampling settings (:func:`per_prompt_sampling`).
 
     Raises :class:`ValueError` for: ``n < 1``, no prompts, an empty prompt, a non-int or
-    out-of-vocabulary token id (``[0, vocab_size)``), a prompt longer than ``max_model_len``, or
+    out-of-vocabulary token id (``[0, vocab_size)``), a prompt longer than ``max_model_len``,
     ``len(prompt) + max_new_tokens > max_model_len`` (which would make the engine cut the
-    response short for a reason other than the caller's ``max_new_tokens``).
+    response short for a reason other than the caller's ``max_new_tokens``), a stop token
+    outside the vocabulary, or a sampling list whose length is not the number of prompts.
     """
-    if not isinstance(sampling, SamplingParams):
-        raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n (responses per prompt) must be an int >= 1, got {n!r}")
     if isinstance(prompt_token_ids, str | bytes) or len(prompt_token_ids) == 0:
         raise ValueError("prompt_token_ids must be a non-empty list of token-id lists")
-    budget = max_model_len - sampling.max_new_tokens
-    for i, prompt in enumerate(prompt_token_ids):
+    params = per_prompt_sampling(prompt_token_ids, sampling)
+    for i, (prompt, p) in enumerate(zip(prompt_token_ids, params, strict=True)):
         if isinstance(prompt, str | bytes):
             raise ValueError(f"prompt {i} is a string; pass token ids (tokenize first)")
         length = len(prompt)
@@ -156,10 +187,10 @@ def validate_requests(
                 f"prompt {i} has {length} tokens, more than the engine's max_model_len "
                 f"{max_model_len}; shorten or filter it"
             )
-        if length > budget:
+        if length > max_model_len - p.max_new_tokens:
             raise ValueError(
-                f"prompt {i} has {length} tokens; with max_new_tokens={sampling.max_new_tokens} "
-                f"that is {length + sampling.max_new_tokens} > max_model_len {max_model_len}; "
+                f"prompt {i} has {length} tokens; with max_new_tokens={p.max_new_tokens} "
+                f"that is {length + p.max_new_tokens} > max_model_len {max_model_len}; "
                 "lower max_new_tokens or filter long prompts"
             )
         for pos, tok in enumerate(prompt):
@@ -168,9 +199,13 @@ def validate_requests(
                     f"prompt {i}, position {pos}: token id {tok!r} is not an int in "
                     f"[0, vocab_size={vocab_size})"
                 )
-    bad_stops = [t for t in sampling.stop_token_ids if t >= vocab_size]
-    if bad_stops:
-        raise ValueError(f"stop_token_ids {bad_stops!r} are outside [0, vocab_size={vocab_size})")
+        bad_stops = [t for t in p.stop_token_ids if t >= vocab_size]
+        if bad_stops:
+            raise ValueError(
+                f"stop_token_ids {bad_stops!r} (prompt {i}) are outside "
+                f"[0, vocab_size={vocab_size})"
+            )
+    return params
 
 
 class RolloutEngine(abc.ABC):
@@ -192,11 +227,15 @@ class RolloutEngine(abc.ABC):
 
     @abc.abstractmethod
     def generate(
-        self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams
+        self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingArg
     ) -> list[list[Completion]]:
         """``n`` completions for each prompt: ``result[i][j]`` is sample ``j`` of prompt ``i``.
 
-        Bad input raises :class:`ValueError` naming the prompt (see :func:`validate_requests`).
+        ``sampling`` is one :class:`SamplingParams` for all prompts or a list with one per
+        prompt (per-request seeds in one batched call). Prompts never share random numbers:
+        two prompts with the same seed (or none) draw from one stream in prompt order, not
+        from two copies of it. Bad input raises :class:`ValueError` naming the prompt (see
+        :func:`validate_requests`).
         """
 
     @abc.abstractmethod

@@ -14,8 +14,10 @@ warping, while the trainer needs ``log softmax(logits / T)`` before truncation; 
 the loop makes the alignment explicit: the log-prob recorded at step ``t`` comes from the
 logits that produced token ``t`` (see ``docs/rollout.md``). Speed is secondary.
 
-Sampling is inverse-CDF with one uniform per (row, step), all drawn up front for the call, so a
-row's randomness does not depend on how rows are chunked into batches (``max_batch_size``).
+Sampling is inverse-CDF with one uniform per (row, step), all drawn up front for the call from
+one stream per distinct seed (:func:`draw_noise`), so a row's randomness depends neither on how
+rows are chunked into batches (``max_batch_size``) nor, when each prompt carries its own seed,
+on which other prompts share the call.
 Prompts of a chunk are left-padded; padded positions are masked out of attention and position
 ids count real tokens only, so padding and the KV cache leave log-probs unchanged (tested
 against a teacher-forced forward to 1e-5).
@@ -27,7 +29,6 @@ Run it: ``EmbeddedEngine(hf_config_dict)`` then ``update_weights(state_dict.item
 from __future__ import annotations
 
 import difflib
-import hashlib
 import inspect
 import time
 from collections.abc import Iterable, Mapping
@@ -39,10 +40,11 @@ import torch
 from reco_megatron.rollout.base import (
     Completion,
     RolloutEngine,
+    SamplingArg,
     SamplingParams,
     validate_requests,
 )
-from reco_megatron.rollout.sampling import sample_next
+from reco_megatron.rollout.sampling import call_seed, draw_noise, group_by_setting, sample_next
 from reco_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -96,12 +98,6 @@ class EmbeddedEngineConfig:
             )
         if self.eos_token_ids is not None:
             self.eos_token_ids = tuple(self.eos_token_ids)
-
-
-def call_seed(base_seed: int, call_index: int) -> int:
-    """Seed of call ``call_index`` of an engine seeded ``base_seed`` (stable across runs)."""
-    digest = hashlib.sha256(f"{base_seed}:{call_index}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
 
 
 def _build_model(hf_config: Any, cfg: EmbeddedEngineConfig) -> torch.nn.Module:
@@ -235,11 +231,18 @@ class EmbeddedEngine(RolloutEngine):
 
     # ----------------------------------------------------------------- generation
     def generate(
-        self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams
+        self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingArg
     ) -> list[list[Completion]]:
-        """``n`` completions per prompt; ``result[i][j]`` is sample ``j`` of prompt ``i``."""
+        """``n`` completions per prompt; ``result[i][j]`` is sample ``j`` of prompt ``i``.
+
+        ``sampling`` may be a list with one :class:`SamplingParams` per prompt. Prompts with
+        equal settings apart from the seed decode together (chunks of ``max_batch_size``
+        rows); the noise comes from one stream per distinct seed, drawn in prompt order
+        (:func:`draw_noise`), so a prompt sampled with its own seed gets the numbers it would
+        get alone.
+        """
         self._check_open()
-        validate_requests(
+        params = validate_requests(
             prompt_token_ids,
             n,
             sampling,
@@ -253,34 +256,34 @@ class EmbeddedEngine(RolloutEngine):
                 "no weights loaded: call update_weights(named_tensors) with the policy's "
                 "HF-named weights before generate()"
             )
-        seed = sampling.seed if sampling.seed is not None else call_seed(self._seed, self._calls)
+        noise = draw_noise(params, n, call_seed(self._seed, self._calls))
         self._calls += 1
-        rows = [(i, j) for i in range(len(prompt_token_ids)) for j in range(n)]
-        gen = torch.Generator(device="cpu").manual_seed(seed)
-        noise = torch.rand(len(rows), sampling.max_new_tokens, generator=gen, dtype=torch.float64)
-        stop_ids = sorted(set(self._eos_ids) | set(sampling.stop_token_ids))
         start = time.perf_counter()
         out: list[list[Completion | None]] = [[None] * n for _ in prompt_token_ids]
-        size = self.config.max_batch_size
-        for lo in range(0, len(rows), size):
-            chunk = rows[lo : lo + size]
-            prompts = [prompt_token_ids[i] for i, _ in chunk]
-            for (i, j), (toks, lps, reason) in zip(
-                chunk,
-                self._generate_chunk(prompts, noise[lo : lo + size], sampling, stop_ids),
-                strict=True,
-            ):
-                out[i][j] = Completion(
-                    prompt_index=i,
-                    sample_index=j,
-                    token_ids=toks,
-                    logprobs=lps,
-                    finish_reason=reason,
+        for setting, members in group_by_setting(params).items():
+            stop_ids = sorted(set(self._eos_ids) | set(setting.stop_token_ids))
+            rows = [(i, j) for i in members for j in range(n)]
+            row_noise = torch.cat([noise[i] for i in members])
+            size = self.config.max_batch_size
+            for lo in range(0, len(rows), size):
+                chunk = rows[lo : lo + size]
+                prompts = [prompt_token_ids[i] for i, _ in chunk]
+                decoded = self._generate_chunk(
+                    prompts, row_noise[lo : lo + size], setting, stop_ids
                 )
+                for (i, j), (toks, lps, reason) in zip(chunk, decoded, strict=True):
+                    out[i][j] = Completion(
+                        prompt_index=i,
+                        sample_index=j,
+                        token_ids=toks,
+                        logprobs=lps,
+                        finish_reason=reason,
+                    )
         n_tokens = sum(len(c.token_ids) for group in out for c in group if c is not None)
         logger.debug(
-            "embedded generate: %d rows, %d tokens in %.2fs",
-            len(rows),
+            "embedded generate: %d prompts x %d, %d tokens in %.2fs",
+            len(out),
+            n,
             n_tokens,
             time.perf_counter() - start,
         )

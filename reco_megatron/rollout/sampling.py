@@ -1,4 +1,5 @@
-"""One sampling step: truncate (top-k, top-p), draw by inverse CDF, report the log-prob.
+"""One sampling step: truncate (top-k, top-p), draw by inverse CDF, report the log-prob; and
+the random numbers behind it (one stream per seed, see :func:`draw_noise`).
 
 Pure tensor code shared by the embedded engine and its tests. The reported log-prob is that of
 the temperature-scaled *untruncated* distribution (the trainer's convention, see
@@ -6,6 +7,9 @@ the temperature-scaled *untruncated* distribution (the trainer's convention, see
 """
 
 from __future__ import annotations
+
+import hashlib
+from dataclasses import replace
 
 import torch
 
@@ -66,3 +70,36 @@ def sample_next(
     last_kept = vocab - 1 - torch.flip(probs > 0, dims=[-1]).long().argmax(dim=-1)
     tokens = torch.minimum(tokens, last_kept)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def call_seed(base_seed: int, call_index: int) -> int:
+    """Seed of call ``call_index`` of an engine seeded ``base_seed`` (stable across runs)."""
+    digest = hashlib.sha256(f"{base_seed}:{call_index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def draw_noise(params: list[SamplingParams], n: int, default_seed: int) -> list[torch.Tensor]:
+    """Per prompt ``i``: ``[n, params[i].max_new_tokens]`` fp64 uniforms, one per (sample, step).
+
+    One :class:`torch.Generator` per distinct seed (``default_seed`` for prompts without one),
+    consumed in prompt order: a prompt with a seed of its own gets exactly the numbers a
+    single-prompt call with that seed gets, and prompts that share a seed continue one stream
+    instead of repeating it. No global RNG is touched.
+    """
+    streams: dict[int, torch.Generator] = {}
+    noise = []
+    for p in params:
+        seed = default_seed if p.seed is None else p.seed
+        if seed not in streams:
+            streams[seed] = torch.Generator(device="cpu").manual_seed(seed)
+        noise.append(torch.rand(n, p.max_new_tokens, generator=streams[seed], dtype=torch.float64))
+    return noise
+
+
+def group_by_setting(params: list[SamplingParams]) -> dict[SamplingParams, list[int]]:
+    """Prompt indices grouped by sampling settings without the seed (each group decodes in one
+    batched loop; insertion order keeps the first prompt's group first)."""
+    groups: dict[SamplingParams, list[int]] = {}
+    for i, p in enumerate(params):
+        groups.setdefault(replace(p, seed=None), []).append(i)
+    return groups

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -39,9 +39,11 @@ import torch
 from reco_megatron.rollout.base import (
     Completion,
     RolloutEngine,
+    SamplingArg,
     SamplingParams,
     validate_requests,
 )
+from reco_megatron.rollout.sampling import call_seed
 from reco_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -141,6 +143,28 @@ def vllm_sampling_kwargs(n: int, sampling: SamplingParams) -> dict[str, Any]:
     }
 
 
+def request_seeds(params: Sequence[SamplingParams]) -> list[int | None]:
+    """The seed each prompt's request carries: its own, except that a seed already used by an
+    earlier prompt of the call becomes ``call_seed(seed, k)`` for its ``k``-th repeat.
+
+    vLLM gives every request a generator seeded with its ``seed`` (and the ``n`` children of a
+    request distinct derived seeds), so one ``SamplingParams(seed=s)`` shared by all prompts
+    would hand every prompt the same random numbers; the embedded engine instead continues one
+    stream. Either way no two prompts of a call share noise. ``None`` stays ``None`` (vLLM's
+    engine RNG).
+    """
+    seen: dict[int, int] = {}
+    seeds: list[int | None] = []
+    for p in params:
+        if p.seed is None:
+            seeds.append(None)
+            continue
+        repeat = seen.get(p.seed, 0)
+        seen[p.seed] = repeat + 1
+        seeds.append(p.seed if repeat == 0 else call_seed(p.seed, repeat))
+    return seeds
+
+
 def completions_from_outputs(outputs: Sequence[Any], n: int) -> list[list[Completion]]:
     """Convert vLLM ``RequestOutput`` objects (one per prompt, in order) to completions.
 
@@ -214,10 +238,12 @@ class VLLMEngine(RolloutEngine):
         return self._vocab_size
 
     def generate(
-        self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams
+        self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingArg
     ) -> list[list[Completion]]:
-        """Every rank of the TP group must call this with identical arguments."""
-        validate_requests(
+        """One batched ``LLM.generate`` with one ``vllm.SamplingParams`` per prompt (per-request
+        seeds, :func:`request_seeds`). Every rank of the TP group must call this with identical
+        arguments."""
+        params = validate_requests(
             prompt_token_ids,
             n,
             sampling,
@@ -228,18 +254,22 @@ class VLLMEngine(RolloutEngine):
             raise RuntimeError("the engine is asleep: call wake() before generate()")
         if not self._weights_loaded:
             raise RuntimeError("no weights loaded (load_format='dummy'): call update_weights()")
-        if (sampling.top_p < 1.0 or sampling.top_k > 0) and not self._warned_truncation:
+        truncated = [p for p in params if p.top_p < 1.0 or p.top_k > 0]
+        if truncated and not self._warned_truncation:
             logger.warning(
                 "vLLM reports log-probs after top-p/top-k truncation (top_p=%s, top_k=%s) while "
                 "the trainer uses the untruncated temperature-scaled distribution; expect a "
                 "train/rollout log-prob mismatch. Use top_p=1, top_k=0 for on-policy RL.",
-                sampling.top_p,
-                sampling.top_k,
+                truncated[0].top_p,
+                truncated[0].top_k,
             )
             self._warned_truncation = True
-        params = self._vllm.SamplingParams(**vllm_sampling_kwargs(n, sampling))
+        vllm_params = [
+            self._vllm.SamplingParams(**vllm_sampling_kwargs(n, replace(p, seed=seed)))
+            for p, seed in zip(params, request_seeds(params), strict=True)
+        ]
         prompts = [{"prompt_token_ids": list(p)} for p in prompt_token_ids]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        outputs = self.llm.generate(prompts, vllm_params, use_tqdm=False)
         return completions_from_outputs(outputs, n)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
