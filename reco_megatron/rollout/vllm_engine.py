@@ -1,8 +1,9 @@
 """A thin vLLM rollout engine, colocated with training (GPU only; never imported in CI).
 
-Written against vLLM's public ``LLM`` API of the **0.10.2 - 0.11.x** line (V1 engine), read
-from its source, not executed here (no GPU in development or CI; the ``vllm``-marked test runs
-where vLLM and a GPU are present). What it relies on:
+Written against vLLM's public ``LLM`` API of **0.33.x** (V1 engine, Model Runner V2), audited
+line by line against the 0.33.0 source, not executed here (no GPU in development or CI; the
+``vllm``-marked test runs where vLLM and a GPU are present, and ``tests/rollout/fake_vllm.py``
+replays the calls below on CPU). What it relies on:
 
 * ``LLM(..., distributed_executor_backend="external_launcher")``: vLLM runs inside the training
   processes (started by torchrun / Slurm) and reuses their ``torch.distributed`` world, building
@@ -12,15 +13,25 @@ where vLLM and a GPU are present). What it relies on:
   prompts and the same* ``SamplingParams`` *(including the seed)*; ranks of different TP groups
   (data-parallel replicas, pipeline stages) are independent engines and get different prompts.
   ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps the engine core in-process (set unless present).
+  vLLM re-seeds the process's ``random`` / numpy / torch RNGs while it starts; the engine saves
+  and restores them around ``vllm.LLM(...)`` so building it leaves the trainer's RNGs as they were.
 * ``enable_sleep_mode=True`` with ``LLM.sleep(level=1)`` (weights to host, KV cache dropped)
   and ``LLM.wake_up()``.
 * ``LLM.apply_model(fn)``: runs ``fn(model)`` on the worker's model in this process; the model's
   ``load_weights(weights)`` takes the same ``(hf_name, full_tensor)`` stream the embedded engine
-  takes and shards it for TP itself. ``LLM.reset_prefix_cache()`` afterwards, so no KV block
-  computed with the old weights is reused.
-* ``SamplingParams(n, temperature, top_p, top_k, max_tokens, seed, logprobs=0, stop_token_ids)``
-  with the engine built with ``logprobs_mode="processed_logprobs"`` (added in 0.10.2): the
-  sampled token's log-prob comes after temperature scaling, like the trainer's. Caveat: vLLM's
+  takes and shards it for TP itself. It returns the names it loaded, but vLLM checks nothing on
+  this path (a tensor missing from the stream would keep its dummy value): the engine compares
+  them with the model's parameters and raises naming the missing ones. ``LLM.reset_prefix_cache()``
+  afterwards (it must return True), so no KV block computed with the old weights is reused.
+* ``SamplingParams(n, temperature, top_p, top_k, max_tokens, seed, logprobs=0, stop_token_ids)``,
+  one per prompt in one ``LLM.generate`` call, always with a seed (vLLM gives the ``n`` children
+  ``seed + k``; an unseeded request would draw from the process-global numpy RNG, which the
+  trainer shares and which may differ between the ranks of a TP group). vLLM 0.33 rejects
+  ``temperature > 2`` and greedy with ``n > 1`` and silently raises ``0 < temperature < 0.01``
+  to 0.01: the engine rejects the first and third with its own message and serves greedy
+  ``n > 1`` as one request copied ``n`` times (greedy samples are identical anyway).
+  The engine is built with ``logprobs_mode="processed_logprobs"``: the sampled token's log-prob
+  comes after temperature scaling, like the trainer's. Caveat: vLLM's
   "processed" log-probs are taken *after* top-k/top-p truncation (renormalised over the kept
   tokens) while the embedded engine and the trainer use the untruncated distribution; with
   ``top_p=1, top_k=0`` (the RL default) they coincide, otherwise this engine warns once and the
@@ -29,8 +40,10 @@ where vLLM and a GPU are present). What it relies on:
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Iterable, Sequence
+import random
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -40,10 +53,15 @@ from reco_megatron.rollout.base import (
     Completion,
     RolloutEngine,
     SamplingArg,
-    SamplingParams,
     validate_requests,
 )
 from reco_megatron.rollout.sampling import call_seed
+from reco_megatron.rollout.vllm_requests import (
+    completions_from_outputs,
+    copy_greedy_samples,
+    request_seeds,
+    vllm_sampling_kwargs,
+)
 from reco_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -124,87 +142,52 @@ class VLLMEngineConfig:
         return kwargs
 
 
-def vllm_sampling_kwargs(n: int, sampling: SamplingParams) -> dict[str, Any]:
-    """Keyword arguments of ``vllm.SamplingParams`` for one call (pure; tested without vLLM).
+def _export_launcher_env() -> None:
+    """``RANK`` / ``LOCAL_RANK`` for vLLM's external launcher, which reads them from the
+    environment (torchrun sets them; ``srun`` alone does not). Taken from the initialised
+    ``torch.distributed`` world and the current CUDA device; vLLM moves to ``cuda:LOCAL_RANK``,
+    so a ``LOCAL_RANK`` that disagrees with the trainer's device is an error."""
+    import torch.distributed as dist
 
-    ``logprobs=0`` returns only the sampled token's log-prob; ``top_k=-1`` disables top-k in
-    vLLM (our ``0``); ``detokenize=False`` because the trainer works on token ids.
-    """
-    return {
-        "n": n,
-        "temperature": float(sampling.temperature),
-        "top_p": float(sampling.top_p),
-        "top_k": sampling.top_k if sampling.top_k > 0 else -1,
-        "max_tokens": sampling.max_new_tokens,
-        "seed": sampling.seed,
-        "stop_token_ids": list(sampling.stop_token_ids),
-        "logprobs": 0,
-        "detokenize": False,
-    }
-
-
-def request_seeds(params: Sequence[SamplingParams]) -> list[int | None]:
-    """The seed each prompt's request carries: its own, except that a seed already used by an
-    earlier prompt of the call becomes ``call_seed(seed, k)`` for its ``k``-th repeat.
-
-    vLLM gives every request a generator seeded with its ``seed`` (and the ``n`` children of a
-    request distinct derived seeds), so one ``SamplingParams(seed=s)`` shared by all prompts
-    would hand every prompt the same random numbers; the embedded engine instead continues one
-    stream. Either way no two prompts of a call share noise. ``None`` stays ``None`` (vLLM's
-    engine RNG).
-    """
-    seen: dict[int, int] = {}
-    seeds: list[int | None] = []
-    for p in params:
-        if p.seed is None:
-            seeds.append(None)
-            continue
-        repeat = seen.get(p.seed, 0)
-        seen[p.seed] = repeat + 1
-        seeds.append(p.seed if repeat == 0 else call_seed(p.seed, repeat))
-    return seeds
-
-
-def completions_from_outputs(outputs: Sequence[Any], n: int) -> list[list[Completion]]:
-    """Convert vLLM ``RequestOutput`` objects (one per prompt, in order) to completions.
-
-    Reads only public fields: ``output.outputs[j].token_ids``, ``.logprobs`` (one mapping per
-    sampled token, ``token_id -> Logprob(logprob=...)``) and ``.finish_reason``. An ``"abort"``
-    or a missing log-prob raises: the trainer must never train on a half-reported sample.
-    """
-    result = []
-    for i, request in enumerate(outputs):
-        samples = list(request.outputs)
-        if len(samples) != n:
-            raise RuntimeError(f"vLLM returned {len(samples)} samples for prompt {i}, asked {n}")
-        group = []
-        for j, sample in enumerate(samples):
-            token_ids = [int(t) for t in sample.token_ids]
-            if sample.logprobs is None or len(sample.logprobs) != len(token_ids):
-                raise RuntimeError(
-                    f"prompt {i} sample {j}: vLLM gave no per-token log-probs for "
-                    f"{len(token_ids)} tokens (is logprobs=0 set?)"
-                )
-            logprobs = [
-                float(step[tok].logprob)
-                for step, tok in zip(sample.logprobs, token_ids, strict=True)
-            ]
-            if sample.finish_reason not in ("stop", "length"):
-                raise RuntimeError(
-                    f"prompt {i} sample {j}: finish_reason {sample.finish_reason!r} "
-                    "(aborted request?)"
-                )
-            group.append(
-                Completion(
-                    prompt_index=i,
-                    sample_index=j,
-                    token_ids=token_ids,
-                    logprobs=logprobs,
-                    finish_reason=sample.finish_reason,
-                )
+    if dist.is_available() and dist.is_initialized():
+        os.environ.setdefault("RANK", str(dist.get_rank()))
+    if torch.cuda.is_available():
+        device = torch.cuda.current_device()
+        os.environ.setdefault("LOCAL_RANK", str(device))
+        if os.environ["LOCAL_RANK"] != str(device):
+            raise RuntimeError(
+                f"LOCAL_RANK={os.environ['LOCAL_RANK']} but this process trains on cuda:{device}; "
+                "vLLM's external launcher would move to cuda:LOCAL_RANK. Launch with one "
+                "process per GPU and LOCAL_RANK = its device index (torchrun does this)."
             )
-        result.append(group)
-    return result
+    missing = [var for var in ("RANK", "LOCAL_RANK") if var not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"vLLM's external launcher needs {missing} in the environment: initialise "
+            "torch.distributed (and CUDA) before building the engine, or launch with torchrun"
+        )
+
+
+@contextlib.contextmanager
+def _preserved_rng_states() -> Iterator[None]:
+    """Restore ``random``, numpy (when importable), torch and CUDA RNG states on exit."""
+    py_state = random.getstate()
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy comes with torch
+        np = None  # type: ignore[assignment]
+    np_state = np.random.get_state() if np is not None else None
+    torch_state = torch.get_rng_state()
+    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        random.setstate(py_state)
+        if np is not None:
+            np.random.set_state(np_state)
+        torch.set_rng_state(torch_state)
+        if cuda_states is not None:
+            torch.cuda.set_rng_state_all(cuda_states)
 
 
 class VLLMEngine(RolloutEngine):
@@ -221,13 +204,17 @@ class VLLMEngine(RolloutEngine):
         self.config = config
         self._vllm = vllm
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        self.llm = vllm.LLM(**config.llm_kwargs())
+        _export_launcher_env()
+        with _preserved_rng_states():  # vLLM re-seeds the global RNGs while it starts
+            self.llm = vllm.LLM(**config.llm_kwargs())
         model_config = self.llm.llm_engine.model_config
         self._vocab_size = int(model_config.get_vocab_size())
         self._max_model_len = int(model_config.max_model_len)
         self._warned_truncation = False
         self._weights_loaded = config.load_format != "dummy"
         self._asleep = False
+        self._seed = config.seed
+        self._calls = 0
 
     @property
     def max_model_len(self) -> int:
@@ -264,13 +251,20 @@ class VLLMEngine(RolloutEngine):
                 truncated[0].top_k,
             )
             self._warned_truncation = True
+        # Unseeded prompts get the call's derived seed (request_seeds makes repeats distinct).
+        default = call_seed(self._seed, self._calls)
+        self._calls += 1
+        params = [p if p.seed is not None else replace(p, seed=default) for p in params]
+        seeds = request_seeds(params)
+        # vLLM rejects greedy with n > 1: ask once, copy (greedy samples are identical).
+        counts = [1 if p.greedy else n for p in params]
         vllm_params = [
-            self._vllm.SamplingParams(**vllm_sampling_kwargs(n, replace(p, seed=seed)))
-            for p, seed in zip(params, request_seeds(params), strict=True)
+            self._vllm.SamplingParams(**vllm_sampling_kwargs(count, replace(p, seed=seed)))
+            for p, seed, count in zip(params, seeds, counts, strict=True)
         ]
         prompts = [{"prompt_token_ids": list(p)} for p in prompt_token_ids]
         outputs = self.llm.generate(prompts, vllm_params, use_tqdm=False)
-        return completions_from_outputs(outputs, n)
+        return copy_greedy_samples(completions_from_outputs(outputs, counts), n)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Push HF-named full tensors through the model's own ``load_weights`` (TP-sharding
@@ -279,8 +273,21 @@ class VLLMEngine(RolloutEngine):
             raise RuntimeError(
                 "wake() the engine before update_weights(): level-1 sleep keeps weights on the host"
             )
-        self.llm.apply_model(lambda model: model.load_weights(weights=named_tensors))
-        self.llm.reset_prefix_cache()
+        self._weights_loaded = False
+        missing = self.llm.apply_model(lambda model: _load_and_list_missing(model, named_tensors))
+        missing = sorted({name for per_worker in missing for name in per_worker})
+        if missing:
+            raise ValueError(
+                f"update_weights: {len(missing)} vLLM parameter(s) received no tensor and would "
+                f"keep their dummy values: {missing[:5]!r}. The stream must hold every weight "
+                "of the Hugging Face checkpoint (see reco_megatron.megatron.hf_checkpoint); the "
+                "engine refuses to generate until a complete update succeeds."
+            )
+        if self.llm.reset_prefix_cache() is False:
+            raise RuntimeError(
+                "vLLM could not reset its prefix cache after the weight update (requests still "
+                "running?); cached KV blocks of the old weights would be reused"
+            )
         self._weights_loaded = True
 
     def sleep(self) -> None:
@@ -296,5 +303,32 @@ class VLLMEngine(RolloutEngine):
             self._asleep = False
 
     def close(self) -> None:
-        """Drop the ``LLM`` object; GPU memory is freed when the process group goes."""
+        """Shut the in-process engine core down and drop the ``LLM`` object."""
+        if self.llm is None:
+            return
+        core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        shutdown = getattr(core, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
         self.llm = None  # type: ignore[assignment]
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"seed", "call_index"}``: unseeded calls after a resume get the seeds they would
+        have got (seeded calls, the trainer's, do not depend on it)."""
+        return {"seed": self._seed, "call_index": self._calls}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        seed, calls = state.get("seed"), state.get("call_index")
+        if not isinstance(seed, int) or not isinstance(calls, int) or calls < 0:
+            raise ValueError(f"bad sampler state {dict(state)!r}: seed int, call_index int >= 0")
+        self._seed, self._calls = seed, calls
+
+
+def _load_and_list_missing(
+    model: Any, named_tensors: Iterable[tuple[str, torch.Tensor]]
+) -> list[str]:
+    """Run inside vLLM's worker: ``model.load_weights`` then the parameters it did not load."""
+    loaded = model.load_weights(weights=named_tensors)
+    if loaded is None:  # a model class that does not report; nothing to compare
+        return []
+    return [name for name, _ in model.named_parameters() if name not in loaded]

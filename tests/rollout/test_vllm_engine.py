@@ -34,12 +34,14 @@ def test_missing_vllm_says_how_to_install() -> None:
 
 
 def test_llm_kwargs_and_sampling_kwargs() -> None:
-    cfg = VLLMEngineConfig(model="/m", tensor_parallel_size=2, extra_llm_kwargs={"swap_space": 0})
+    cfg = VLLMEngineConfig(
+        model="/m", tensor_parallel_size=2, extra_llm_kwargs={"max_num_seqs": 64}
+    )
     kw = cfg.llm_kwargs()
     assert kw["distributed_executor_backend"] == "external_launcher"
     assert kw["enable_sleep_mode"] is True
     assert kw["logprobs_mode"] == "processed_logprobs"
-    assert kw["tensor_parallel_size"] == 2 and kw["swap_space"] == 0
+    assert kw["tensor_parallel_size"] == 2 and kw["max_num_seqs"] == 64
     with pytest.raises(ValueError, match=r"may not override \['seed'\]"):
         VLLMEngineConfig(model="/m", extra_llm_kwargs={"seed": 3}).llm_kwargs()
     with pytest.raises(ValueError, match="tensor_parallel_size must be an int >= 1, got 0"):
@@ -49,7 +51,7 @@ def test_llm_kwargs_and_sampling_kwargs() -> None:
         "n": 4,
         "temperature": 0.8,
         "top_p": 1.0,
-        "top_k": -1,
+        "top_k": 0,
         "max_tokens": 9,
         "seed": 2,
         "stop_token_ids": [],

@@ -1,0 +1,141 @@
+"""What the vLLM engine sends and receives, as pure functions (tested without vLLM).
+
+``vllm.SamplingParams`` keyword arguments per request, per-request seeds, and the conversion of
+``RequestOutput`` objects into :class:`~reco_megatron.rollout.base.Completion` lists; the
+behaviour they encode was read from the vLLM 0.33.0 source (see ``vllm_engine``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+from reco_megatron.rollout.base import Completion, SamplingParams
+from reco_megatron.rollout.sampling import call_seed
+
+VLLM_MAX_TEMPERATURE = 2.0
+"""vLLM 0.33 raises for larger temperatures (``SamplingParams._verify_args``)."""
+
+VLLM_MIN_TEMPERATURE = 0.01
+"""vLLM 0.33 raises smaller positive temperatures to this value without a word."""
+
+
+def vllm_sampling_kwargs(n: int, sampling: SamplingParams) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.SamplingParams`` for one call (pure; tested without vLLM).
+
+    ``logprobs=0`` returns only the sampled token's log-prob; ``top_k=0`` disables top-k (vLLM
+    0.33's documented "off", as ours); ``detokenize=False`` because the trainer works on token
+    ids. Raises :class:`ValueError` for temperatures vLLM 0.33 rejects or silently changes.
+    """
+    t = float(sampling.temperature)
+    if t > VLLM_MAX_TEMPERATURE:
+        raise ValueError(
+            f"temperature {t} > {VLLM_MAX_TEMPERATURE}: vLLM rejects it; use a temperature in "
+            f"[{VLLM_MIN_TEMPERATURE}, {VLLM_MAX_TEMPERATURE}] (or 0 for greedy)"
+        )
+    if 0.0 < t < VLLM_MIN_TEMPERATURE:
+        raise ValueError(
+            f"temperature {t} is below {VLLM_MIN_TEMPERATURE}: vLLM would silently sample at "
+            f"{VLLM_MIN_TEMPERATURE} and report log-probs for that temperature; use 0 (greedy) "
+            f"or >= {VLLM_MIN_TEMPERATURE}"
+        )
+    return {
+        "n": n,
+        "temperature": t,
+        "top_p": float(sampling.top_p),
+        "top_k": sampling.top_k,
+        "max_tokens": sampling.max_new_tokens,
+        "seed": sampling.seed,
+        "stop_token_ids": list(sampling.stop_token_ids),
+        "logprobs": 0,
+        "detokenize": False,
+    }
+
+
+def request_seeds(params: Sequence[SamplingParams]) -> list[int | None]:
+    """The seed each prompt's request carries: its own, except that a seed already used by an
+    earlier prompt of the call becomes ``call_seed(seed, k)`` for its ``k``-th repeat.
+
+    vLLM gives every request a generator seeded with its ``seed`` (and the ``n`` children of a
+    request distinct derived seeds), so one ``SamplingParams(seed=s)`` shared by all prompts
+    would hand every prompt the same random numbers; the embedded engine instead continues one
+    stream. Either way no two prompts of a call share noise. ``None`` stays ``None`` (vLLM's
+    engine RNG).
+    """
+    seen: dict[int, int] = {}
+    seeds: list[int | None] = []
+    for p in params:
+        if p.seed is None:
+            seeds.append(None)
+            continue
+        repeat = seen.get(p.seed, 0)
+        seen[p.seed] = repeat + 1
+        seeds.append(p.seed if repeat == 0 else call_seed(p.seed, repeat))
+    return seeds
+
+
+def completions_from_outputs(
+    outputs: Sequence[Any], n: int | Sequence[int]
+) -> list[list[Completion]]:
+    """Convert vLLM ``RequestOutput`` objects (one per prompt, in order) to completions;
+    ``n`` is the number of samples asked per prompt (one int, or one per prompt).
+
+    Reads only public fields: ``output.outputs[j].token_ids``, ``.logprobs`` (one mapping per
+    sampled token, ``token_id -> Logprob(logprob=...)``) and ``.finish_reason``. An ``"abort"``
+    or a missing log-prob raises: the trainer must never train on a half-reported sample.
+    """
+    counts = [n] * len(outputs) if isinstance(n, int) else list(n)
+    if len(counts) != len(outputs):
+        raise RuntimeError(
+            f"vLLM returned {len(outputs)} request outputs for {len(counts)} prompts"
+        )
+    result = []
+    for i, (request, asked) in enumerate(zip(outputs, counts, strict=True)):
+        samples = list(request.outputs)
+        if len(samples) != asked:
+            raise RuntimeError(
+                f"vLLM returned {len(samples)} samples for prompt {i}, asked {asked}"
+            )
+        group = []
+        for j, sample in enumerate(samples):
+            token_ids = [int(t) for t in sample.token_ids]
+            if sample.logprobs is None or len(sample.logprobs) != len(token_ids):
+                raise RuntimeError(
+                    f"prompt {i} sample {j}: vLLM gave no per-token log-probs for "
+                    f"{len(token_ids)} tokens (is logprobs=0 set?)"
+                )
+            logprobs = [
+                float(step[tok].logprob)
+                for step, tok in zip(sample.logprobs, token_ids, strict=True)
+            ]
+            if sample.finish_reason not in ("stop", "length"):
+                raise RuntimeError(
+                    f"prompt {i} sample {j}: finish_reason {sample.finish_reason!r} "
+                    "(aborted request?)"
+                )
+            group.append(
+                Completion(
+                    prompt_index=i,
+                    sample_index=j,
+                    token_ids=token_ids,
+                    logprobs=logprobs,
+                    finish_reason=sample.finish_reason,
+                )
+            )
+        result.append(group)
+    return result
+
+
+def copy_greedy_samples(groups: list[list[Completion]], n: int) -> list[list[Completion]]:
+    """Groups of one (greedy requests) copied to ``n`` samples with indices ``0 .. n-1``."""
+    out = []
+    for group in groups:
+        if len(group) == 1 and n > 1:
+            c = group[0]
+            group = [
+                replace(c, sample_index=j, token_ids=list(c.token_ids), logprobs=list(c.logprobs))
+                for j in range(n)
+            ]
+        out.append(group)
+    return out

@@ -1,0 +1,149 @@
+"""``VLLMEngine`` driven end to end against ``fake_vllm`` (vLLM 0.33's API, replayed on CPU).
+
+What vLLM would receive is checked here without a GPU: the engine arguments, one
+``SamplingParams`` per prompt with a seed, the HF weight stream through ``load_weights`` into
+fused parameters, and what comes back (log-probs aligned with a teacher-forced forward of the
+pushed weights). The real engine runs only in the ``vllm``-marked test.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+
+import pytest
+import torch
+
+from reco_megatron.rollout import SamplingParams, VLLMEngine, VLLMEngineConfig
+from tests.rollout import fake_vllm
+from tests.rollout._tiny import TINY_LLAMA, teacher_forced_logprobs, tiny_model
+
+PROMPTS = [[5, 6, 7], [1, 9, 10, 11], [4]]
+
+
+@pytest.fixture
+def fake(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "vllm", fake_vllm.module())
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    config = {**TINY_LLAMA, "architectures": ["LlamaForCausalLM"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+def _engine(model_dir, **kw) -> VLLMEngine:
+    return VLLMEngine(VLLMEngineConfig(model=str(model_dir), max_model_len=64, **kw))
+
+
+def test_generations_follow_the_pushed_weights(fake) -> None:
+    engine = _engine(fake)
+    with pytest.raises(RuntimeError, match="call update_weights"):
+        engine.generate(PROMPTS, 2, SamplingParams(max_new_tokens=4, seed=1))
+    model = tiny_model(seed=0)
+    engine.update_weights(model.state_dict().items())
+    params = [SamplingParams(max_new_tokens=8, seed=s) for s in (11, 12, 13)]
+    results = engine.generate(PROMPTS, 3, params)
+    llm = fake_vllm.LLM.instances[-1]
+    assert llm.calls[-1] == ("generate", [(3, 11, 1.0), (3, 12, 1.0), (3, 13, 1.0)])
+    for i, group in enumerate(results):
+        assert [c.sample_index for c in group] == [0, 1, 2]
+        for comp in group:
+            ref = teacher_forced_logprobs(model, PROMPTS[i], comp.token_ids, 1.0)
+            # fp32 KV-cached decode vs one fp64-softmax forward of the same weights.
+            torch.testing.assert_close(
+                torch.tensor(comp.logprobs, dtype=torch.float64), ref, atol=1e-5, rtol=0
+            )
+    # The weights went through the fused layout: other weights, other generations.
+    engine.update_weights(tiny_model(seed=1).state_dict().items())
+    assert engine.generate(PROMPTS, 3, params) != results
+    assert llm.calls.count("reset_prefix_cache") == 2
+
+
+def test_missing_weight_is_named_not_left_random(fake) -> None:
+    engine = _engine(fake)
+    state = {k: v for k, v in tiny_model(seed=0).state_dict().items() if "1.mlp.down" not in k}
+    with pytest.raises(ValueError, match=r"1 vLLM parameter.*layers\.1\.mlp\.down_proj\.weight"):
+        engine.update_weights(state.items())
+    with pytest.raises(RuntimeError, match="call update_weights"):
+        engine.generate(PROMPTS, 1, SamplingParams(max_new_tokens=2, seed=0))
+
+
+def test_building_the_engine_keeps_the_trainers_rngs(fake) -> None:
+    torch.manual_seed(1234)
+    random.seed(99)
+    before = (torch.get_rng_state(), random.getstate())
+    _engine(fake, seed=7)  # the fake re-seeds the globals, as vLLM's workers do
+    assert torch.equal(before[0], torch.get_rng_state()) and before[1] == random.getstate()
+
+
+def test_unseeded_calls_get_derived_seeds_and_resume(fake) -> None:
+    engine = _engine(fake, seed=3)
+    engine.update_weights(tiny_model(seed=0).state_dict().items())
+    llm = fake_vllm.LLM.instances[-1]
+    first = engine.generate(PROMPTS, 2, SamplingParams(max_new_tokens=5))
+    sent = llm.calls[-1][1]
+    assert all(seed is not None for _, seed, _ in sent)
+    assert len({seed for _, seed, _ in sent}) == 3  # one shared default, made distinct
+    state = engine.state_dict()
+    second = engine.generate(PROMPTS, 2, SamplingParams(max_new_tokens=5))
+    assert second != first
+    other = _engine(fake, seed=3)
+    other.update_weights(tiny_model(seed=0).state_dict().items())
+    other.load_state_dict(state)
+    assert other.generate(PROMPTS, 2, SamplingParams(max_new_tokens=5)) == second
+
+
+def test_greedy_with_n_samples_asks_once_and_copies(fake) -> None:
+    engine = _engine(fake)
+    engine.update_weights(tiny_model(seed=0).state_dict().items())
+    mixed = [SamplingParams(temperature=0.0, max_new_tokens=6, seed=1)] + [
+        SamplingParams(max_new_tokens=6, seed=s) for s in (2, 3)
+    ]
+    out = engine.generate(PROMPTS, 4, mixed)
+    sent = fake_vllm.LLM.instances[-1].calls[-1][1]
+    assert [n for n, _, _ in sent] == [1, 4, 4]
+    assert [c.sample_index for c in out[0]] == [0, 1, 2, 3]
+    assert len({tuple(c.token_ids) for c in out[0]}) == 1
+    assert all(len(group) == 4 for group in out)
+
+
+@pytest.mark.parametrize(
+    ("temperature", "match"),
+    [(2.5, r"temperature 2.5 > 2.0: vLLM rejects it"), (0.005, r"below 0.01: vLLM would")],
+)
+def test_temperatures_vllm_would_reject_or_change(fake, temperature, match) -> None:
+    engine = _engine(fake)
+    engine.update_weights(tiny_model(seed=0).state_dict().items())
+    with pytest.raises(ValueError, match=match):
+        engine.generate(PROMPTS, 2, SamplingParams(temperature=temperature, max_new_tokens=2))
+
+
+def test_sleep_wake_close_and_prefix_cache(fake) -> None:
+    engine = _engine(fake)
+    llm = fake_vllm.LLM.instances[-1]
+    engine.sleep()
+    with pytest.raises(RuntimeError, match="wake\\(\\) the engine"):
+        engine.update_weights(tiny_model(seed=0).state_dict().items())
+    engine.wake()
+    fake_vllm.LLM.reset_result = False
+    with pytest.raises(RuntimeError, match="could not reset its prefix cache"):
+        engine.update_weights(tiny_model(seed=0).state_dict().items())
+    engine.close()
+    engine.close()  # idempotent
+    assert llm.calls[:2] == ["sleep(1)", "wake_up"] and llm.calls[-1] == "shutdown"
+
+
+def test_launcher_env_is_taken_from_torch_distributed_or_named(fake, monkeypatch) -> None:
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("LOCAL_RANK")
+    if torch.cuda.is_available():  # pragma: no cover - CPU CI
+        pytest.skip("LOCAL_RANK comes from the CUDA device here")
+    with pytest.raises(RuntimeError, match=r"needs \['RANK', 'LOCAL_RANK'\]"):
+        _engine(fake)
+
+
+def test_engine_arguments_vllm_does_not_know_fail_at_build(fake) -> None:
+    with pytest.raises(TypeError, match="swap_space"):
+        _engine(fake, extra_llm_kwargs={"swap_space": 4})
+    _engine(fake, extra_llm_kwargs={"max_num_seqs": 8, "skip_tokenizer_init": True})
