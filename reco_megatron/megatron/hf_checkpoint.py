@@ -308,15 +308,13 @@ def _weight_files(hf_dir: Path) -> dict[str, Path]:
     raise FileNotFoundError(f"{hf_dir} has no {SINGLE_FILE} or {INDEX_FILE}{hint}")
 
 
-def load_hf_checkpoint(hf_dir: str | Path, model_chunks: list[Any], model_cfg: ModelConfig) -> None:
-    """Load a Hugging Face Llama/Qwen2 directory into this rank's Megatron chunks.
+def check_hf_checkpoint(hf_dir: str | Path, model_cfg: ModelConfig) -> dict[str, Path]:
+    """Check a Hugging Face directory against ``model_cfg`` before anything is loaded.
 
-    Every rank calls it (no collectives); each reads only its own stage's tensors, full, and
-    keeps its TP shard. Raises ValueError/WeightMappingError naming the field or tensor when
-    the config, the key set or a shape does not match ``model_cfg``.
+    Returns HF tensor name -> safetensors file. Raises ValueError/WeightMappingError naming the
+    field or tensor when ``config.json``, the key set (missing or unexpected tensors) or the
+    file format does not match.
     """
-    from safetensors import safe_open
-
     hf_dir = Path(hf_dir)
     diffs = architecture_mismatches(model_config_from_hf(hf_dir), model_cfg)
     if diffs:
@@ -337,6 +335,21 @@ def load_hf_checkpoint(hf_dir: str | Path, model_chunks: list[Any], model_cfg: M
         raise WeightMappingError(
             f"{hf_dir} has {len(extra)} unexpected tensor(s) {extra[:5]}: another architecture?"
         )
+    return files
+
+
+def load_hf_checkpoint(hf_dir: str | Path, model_chunks: list[Any], model_cfg: ModelConfig) -> None:
+    """Load a Hugging Face Llama/Qwen2 directory into this rank's Megatron chunks.
+
+    Every rank calls it (no collectives); each reads only its own stage's tensors, full, and
+    keeps its TP shard. Raises ValueError/WeightMappingError naming the field or tensor when
+    the config, the key set or a shape does not match ``model_cfg``
+    (:func:`check_hf_checkpoint`).
+    """
+    from safetensors import safe_open
+
+    hf_dir = Path(hf_dir)
+    files = check_hf_checkpoint(hf_dir, model_cfg)
     with ExitStack() as stack:
         handles: dict[Path, Any] = {}
 
@@ -352,9 +365,15 @@ def load_hf_checkpoint(hf_dir: str | Path, model_chunks: list[Any], model_cfg: M
     logger.info("loaded %d tensors from %s", len(set(used)), hf_dir)
 
 
-def load_hf_into_engine(hf_dir: str | Path, engine: Any) -> None:
-    """:func:`load_hf_checkpoint` into a ``ReCoEngine``, then refresh the optimizer's fp32
+def load_hf_into_engine(hf_dir: str | Path, engine: Any, converter: str = "builtin") -> None:
+    """:func:`load_hf_checkpoint` (or, with ``converter="megatron_bridge"``, Megatron-Bridge's
+    import after the same checks) into a ``ReCoEngine``, then refresh the optimizer's fp32
     main params and the reference model from the loaded weights."""
-    load_hf_checkpoint(hf_dir, engine.unwrapped(), engine.model_cfg)
+    if converter == "megatron_bridge":
+        from reco_megatron.megatron.bridge import bridge_load_hf
+
+        bridge_load_hf(hf_dir, engine.unwrapped(), engine.model_cfg)
+    else:
+        load_hf_checkpoint(hf_dir, engine.unwrapped(), engine.model_cfg)
     engine.optimizer.reload_model_params()
     engine.sync_reference()

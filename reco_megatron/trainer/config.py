@@ -147,6 +147,11 @@ class CheckpointConfig:
     """Start from this local Hugging Face checkpoint directory (config.json + safetensors)."""
     init_megatron: str = ""
     """Start from the weights of this reco-megatron checkpoint (any TP/PP)."""
+    hf_converter: Literal["auto", "builtin", "megatron_bridge"] = "auto"
+    """Who maps HF <-> Megatron weights for ``init_hf`` and the rollout weight stream:
+    ``builtin`` (ours, everywhere), ``megatron_bridge`` (NVIDIA Megatron-Bridge; error if it
+    cannot be used), ``auto`` (the bridge where it imports and gives exactly our tensors, else
+    ours; docs/weights.md)."""
     resume: bool = True
     """Resume from ``<output_dir>/checkpoints/latest`` when it exists."""
 

@@ -84,6 +84,7 @@ class Trainer:
             total_optimizer_steps=total_updates,
             seed=cfg.trainer.seed,
         )
+        self.converter = setup.hf_converter(cfg, on_gpu=self.engine.on_gpu)
         self.rollout = build_rollout_engine(cfg, self.tokenizer)
         self.rewards = RewardPool(cfg.reward) if self.layout.first_of_replica else None
         self.step = 0
@@ -125,10 +126,10 @@ class Trainer:
         elif cfg.init_hf:
             from reco_megatron.megatron.hf_checkpoint import load_hf_into_engine
 
-            load_hf_into_engine(cfg.init_hf, self.engine)
+            load_hf_into_engine(cfg.init_hf, self.engine, self.converter)
         if latest is None and self.cfg.sft.steps > 0:
             self._sft_warmup()
-        sync_weights(self.engine, self.rollout, self.cfg.model)
+        sync_weights(self.engine, self.rollout, self.cfg.model, self.converter)
 
     def _sft_warmup(self) -> None:
         sft = self.cfg.sft
@@ -213,7 +214,7 @@ class Trainer:
         steps = self.engine.train_on_rollout(prepared, self.guard.decide)
         times["time_train"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        sync_weights(self.engine, self.rollout, cfg.model)
+        sync_weights(self.engine, self.rollout, cfg.model, self.converter)
         times["time_sync"] = time.perf_counter() - t0
         self.step += 1
 

@@ -13,6 +13,7 @@ from reco_megatron.data.countdown import generate, write_splits
 from reco_megatron.data.dataset import PromptDataset
 from reco_megatron.data.tokenizer import HFTokenizer, SentencePieceTokenizer, Tokenizer
 from reco_megatron.megatron.batch import RolloutBatch
+from reco_megatron.trainer.config import TrainConfig
 from reco_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -126,3 +127,21 @@ def sft_batches(
             )
         )
     return batches
+
+
+def hf_converter(cfg: TrainConfig, *, on_gpu: bool) -> str:
+    """Resolve ``checkpoint.hf_converter`` for this run, once, and log the choice and why."""
+    from reco_megatron.megatron.bridge import choose_converter
+
+    par = cfg.parallel
+    choice = choose_converter(
+        cfg.checkpoint.hf_converter,
+        cfg.model,
+        tp=par.tensor_model_parallel_size,
+        pp=par.pipeline_model_parallel_size,
+        vpp=par.virtual_pipeline_model_parallel_size or 1,
+        on_gpu=on_gpu,
+        importing=bool(cfg.checkpoint.init_hf),
+    )
+    logger.info("HF weight mapping: %s (%s)", choice.name, choice.reason)
+    return choice.name

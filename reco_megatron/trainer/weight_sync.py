@@ -121,6 +121,16 @@ def write_rollout_model_dir(cfg: Any, hf_config: dict[str, Any]) -> Path:
     return out
 
 
-def sync_weights(engine: Any, rollout: RolloutClient, model_cfg: ModelConfig) -> None:
-    """Stream the current policy into the rollout engine (collective)."""
-    rollout.update_weights(all_stage_hf_weights(engine.unwrapped(), model_cfg))
+def sync_weights(
+    engine: Any, rollout: RolloutClient, model_cfg: ModelConfig, converter: str = "builtin"
+) -> None:
+    """Stream the current policy into the rollout engine (collective).
+
+    ``converter`` is the resolved ``checkpoint.hf_converter``
+    (:func:`reco_megatron.megatron.bridge.choose_converter`)."""
+    if converter == "megatron_bridge":
+        from reco_megatron.megatron.bridge import bridge_hf_weights
+
+        rollout.update_weights(bridge_hf_weights(engine.unwrapped(), model_cfg))
+    else:
+        rollout.update_weights(all_stage_hf_weights(engine.unwrapped(), model_cfg))
