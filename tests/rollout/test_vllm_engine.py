@@ -134,6 +134,13 @@ def test_vllm_engine_matches_hf_teacher_forcing(tmp_path) -> None:  # pragma: no
             torch.testing.assert_close(
                 torch.tensor(comp.logprobs, dtype=torch.float64), ref, atol=1e-3, rtol=0
             )
+    # One batched call with per-prompt seeds reproduces; greedy n > 1 is served by copies.
+    params = [SamplingParams(max_new_tokens=8, seed=s) for s in (3, 4)]
+    first = [[c.token_ids for c in g] for g in engine.generate(prompts, 3, params)]
+    again = [[c.token_ids for c in g] for g in engine.generate(prompts, 3, params)]
+    assert first == again
+    greedy = engine.generate(prompts, 2, SamplingParams(temperature=0.0, max_new_tokens=4))
+    assert all(g[0].token_ids == g[1].token_ids for g in greedy)
     engine.sleep()
     engine.wake()
     engine.close()
