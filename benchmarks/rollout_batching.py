@@ -28,16 +28,14 @@ from reco_megatron.megatron.hf_config import hf_config_from_model_config
 from reco_megatron.megatron.model import ModelConfig
 from reco_megatron.rollout import EmbeddedEngine, EmbeddedEngineConfig, SamplingParams
 
-TINY = ModelConfig(
-    family="llama",
-    num_layers=4,
-    hidden_size=128,
-    ffn_hidden_size=352,
-    num_attention_heads=4,
-    num_query_groups=2,
-    vocab_size=128,
-    max_position_embeddings=256,
-)
+
+def tiny_model_config() -> ModelConfig:
+    """``examples/tiny_cpu.yaml``'s model, with room for 80 + 64 tokens."""
+    from reco_megatron.config import load_config
+    from reco_megatron.trainer.config import TrainConfig
+
+    cfg = load_config(TrainConfig, "examples/tiny_cpu.yaml", ["model.max_position_embeddings=256"])
+    return cfg.model
 
 
 def main() -> None:
@@ -50,7 +48,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    hf = hf_config_from_model_config(TINY)
+    hf = hf_config_from_model_config(tiny_model_config())
     engine = EmbeddedEngine(hf, EmbeddedEngineConfig(max_model_len=256, eos_token_ids=()))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
