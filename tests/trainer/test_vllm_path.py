@@ -2,10 +2,11 @@
 
 The fake replays vLLM 0.33's loading (HF names stacked into fused ``qkv_proj`` /
 ``gate_up_proj`` parameters, unknown names ignored, completeness unchecked by vLLM itself) and
-samples with the weights its parameters received. So this run checks, without a GPU, that the trainer builds the
-engine the way vLLM 0.33 accepts (engine arguments, a config-only model directory with
-``architectures``), that the Megatron export stream at TP 2 reaches every vLLM parameter, and
-that the log-probs coming back line up with the trainer's (``logprob_mismatch``, fp32 noise).
+samples with the weights its parameters received. So this run checks, without a GPU, that the
+trainer builds the engine the way vLLM 0.33 accepts (engine arguments, a config-only model
+directory with ``architectures``), that the Megatron export stream at TP 2 reaches every vLLM
+parameter, and that the log-probs coming back line up with the trainer's
+(``logprob_mismatch``, fp32 noise).
 """
 
 from __future__ import annotations
