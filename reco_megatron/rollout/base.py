@@ -215,6 +215,33 @@ class RolloutEngine(abc.ABC):
     ``sleep()`` -> train. ``generate`` refuses to run before weights were loaded once.
     """
 
+    _asleep: bool = False
+    """Set by :meth:`sleep`, cleared by :meth:`wake` (implementations keep it current)."""
+
+    _weights_loaded: bool = False
+    """True once a complete :meth:`update_weights` succeeded (false again while one fails)."""
+
+    def _admit(
+        self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingArg
+    ) -> list[SamplingParams]:
+        """:func:`validate_requests`, then the engine state every ``generate`` needs (awake,
+        weights loaded); returns the per-prompt sampling settings."""
+        params = validate_requests(
+            prompt_token_ids,
+            n,
+            sampling,
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+        )
+        if self._asleep:
+            raise RuntimeError("the engine is asleep: call wake() before generate()")
+        if not self._weights_loaded:
+            raise RuntimeError(
+                "no weights loaded: call update_weights(named_tensors) with the policy's "
+                "HF-named weights before generate()"
+            )
+        return params
+
     @property
     @abc.abstractmethod
     def max_model_len(self) -> int:

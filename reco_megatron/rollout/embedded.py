@@ -42,7 +42,6 @@ from reco_megatron.rollout.base import (
     RolloutEngine,
     SamplingArg,
     SamplingParams,
-    validate_requests,
 )
 from reco_megatron.rollout.sampling import call_seed, draw_noise, group_by_setting, sample_next
 from reco_megatron.utils.logging import get_logger
@@ -242,20 +241,7 @@ class EmbeddedEngine(RolloutEngine):
         get alone.
         """
         self._check_open()
-        params = validate_requests(
-            prompt_token_ids,
-            n,
-            sampling,
-            max_model_len=self._max_model_len,
-            vocab_size=self._vocab_size,
-        )
-        if self._asleep:
-            raise RuntimeError("the engine is asleep: call wake() before generate()")
-        if not self._weights_loaded:
-            raise RuntimeError(
-                "no weights loaded: call update_weights(named_tensors) with the policy's "
-                "HF-named weights before generate()"
-            )
+        params = self._admit(prompt_token_ids, n, sampling)
         noise = draw_noise(params, n, call_seed(self._seed, self._calls))
         self._calls += 1
         start = time.perf_counter()

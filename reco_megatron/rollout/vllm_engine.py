@@ -53,7 +53,6 @@ from reco_megatron.rollout.base import (
     Completion,
     RolloutEngine,
     SamplingArg,
-    validate_requests,
 )
 from reco_megatron.rollout.sampling import call_seed
 from reco_megatron.rollout.vllm_requests import (
@@ -230,17 +229,7 @@ class VLLMEngine(RolloutEngine):
         """One batched ``LLM.generate`` with one ``vllm.SamplingParams`` per prompt (per-request
         seeds, :func:`request_seeds`). Every rank of the TP group must call this with identical
         arguments."""
-        params = validate_requests(
-            prompt_token_ids,
-            n,
-            sampling,
-            max_model_len=self._max_model_len,
-            vocab_size=self._vocab_size,
-        )
-        if self._asleep:
-            raise RuntimeError("the engine is asleep: call wake() before generate()")
-        if not self._weights_loaded:
-            raise RuntimeError("no weights loaded (load_format='dummy'): call update_weights()")
+        params = self._admit(prompt_token_ids, n, sampling)
         truncated = [p for p in params if p.top_p < 1.0 or p.top_k > 0]
         if truncated and not self._warned_truncation:
             logger.warning(
