@@ -86,7 +86,7 @@ def export_checkpoint(
     from reco_megatron.megatron.checkpoint import CheckpointError, read_meta
     from reco_megatron.megatron.checkpoint_compat import load_model_and_optimizer
     from reco_megatron.megatron.distributed import ParallelConfig, initialize_parallel
-    from reco_megatron.megatron.hf_checkpoint import DEFAULT_MAX_SHARD_SIZE, save_hf_checkpoint
+    from reco_megatron.megatron.hf.checkpoint import DEFAULT_MAX_SHARD_SIZE, save_hf_checkpoint
     from reco_megatron.megatron.model import ModelConfig, build_model, transformer_config
 
     path = resolve_checkpoint(checkpoint)

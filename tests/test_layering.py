@@ -10,6 +10,12 @@ module of the package and must not load the forbidden heavy modules, and a stati
 the sources (imports inside functions included) finds forbidden imports and imports of
 higher layers. ``vllm`` may only be imported inside functions (lazily), and only by rollout.
 No package calls ``eval``/``exec``/``compile`` (model output and config values are data).
+
+Inside ``megatron`` there are three rooms: the engine (``megatron/*.py``), megatron-core's
+compatibility layer (``megatron/compat``: versions and the CPU backend) and Hugging Face weights
+(``megatron/hf``). The CPU backend is enabled only by the engine's start-up path, the weights
+room never imports the engine, and Megatron-Bridge is never loaded at import time. No module
+of the package takes part in an import cycle (imports inside functions included).
 """
 
 from __future__ import annotations
@@ -104,7 +110,7 @@ def test_only_the_adapter_imports_megatron_core() -> None:
         f"{path.relative_to(PKG)}: {name}"
         for path in sorted(PKG.rglob("*.py"))
         # the adapter, and the test harness (it preloads megatron-core into its forkserver)
-        if path.parent.name not in ("megatron", "testing")
+        if path.relative_to(PKG).parts[0] not in ("megatron", "testing")
         for name, _ in _imports(path)
         if name.split(".")[0] == "megatron"
     ]
@@ -116,3 +122,154 @@ def test_no_eval_or_exec_anywhere() -> None:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
                 assert node.func.id not in ("eval", "exec", "compile"), f"{path}: {node.func.id}"
+
+
+# ----------------------------------------------------------------- the rooms of megatron/
+MEGATRON = PKG / "megatron"
+ENGINE_MODULES = tuple(
+    f"reco_megatron.megatron.{p.stem}" for p in MEGATRON.glob("*.py") if p.stem != "__init__"
+)
+CPU_BACKEND = (
+    "reco_megatron.megatron.compat.cpu_backend",
+    "reco_megatron.megatron.compat.cpu_patches",
+    "reco_megatron.megatron.compat.cpu_rng",
+)
+# The engine's start-up path: the only engine module that may enable the CPU backend.
+STARTUP = "reco_megatron.megatron.distributed"
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _all_modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in PKG.rglob("*.py")}
+
+
+def test_the_three_rooms_exist() -> None:
+    assert "reco_megatron.megatron.engine" in ENGINE_MODULES
+    for room in ("compat", "hf"):
+        assert (MEGATRON / room / "__init__.py").exists(), room
+    assert not [p.name for p in MEGATRON.glob("*.py") if p.stem in ("bridge", "cpu_backend")]
+
+
+def test_only_the_startup_path_imports_the_cpu_backend() -> None:
+    offenders = [
+        f"{name}: {imported}"
+        for name, path in _all_modules().items()
+        if name != STARTUP and not name.startswith("reco_megatron.megatron.compat")
+        for imported, _ in _imports(path)
+        if _matches(imported, CPU_BACKEND)
+    ]
+    assert not offenders, offenders
+
+
+def test_the_weights_room_never_imports_the_engine() -> None:
+    engine = tuple(m for m in ENGINE_MODULES if m != "reco_megatron.megatron.model")
+    offenders = [
+        f"{path.name}: {imported}"
+        for path in sorted((MEGATRON / "hf").rglob("*.py"))
+        for imported, _ in _imports(path)
+        if _matches(imported, (*engine, *CPU_BACKEND))
+    ]
+    assert not offenders, offenders
+
+
+def test_megatron_bridge_is_never_imported_at_import_time() -> None:
+    """Neither ``megatron.bridge`` nor our ``hf.bridge`` at module level, anywhere; and
+    importing every module below the trainer loads neither (a fresh interpreter)."""
+    bridge = ("megatron.bridge", "reco_megatron.megatron.hf.bridge")
+    offenders = [
+        f"{name}: {imported}"
+        for name, path in _all_modules().items()
+        for imported, top_level in _imports(path)
+        if top_level and _matches(imported, bridge)
+    ]
+    assert not offenders, offenders
+    below_trainer = sorted(
+        m
+        for m in _all_modules()
+        if m.split(".")[1:2]
+        and m.split(".")[1] in ("megatron", "rollout", "data", "rewards")
+        and not _matches(m, bridge)
+    )
+    code = (
+        "import importlib, sys\n"
+        f"for m in {below_trainer!r}: importlib.import_module(m)\n"
+        f"print(','.join(m for m in sys.modules if m.startswith({bridge!r})))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "", out.stdout
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the package modules it imports (``from pkg import mod`` resolved to ``mod``)."""
+    modules = _all_modules()
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [
+                    f"{node.module}.{a.name}"
+                    if f"{node.module}.{a.name}" in modules
+                    else node.module
+                    for a in node.names
+                ]
+            else:
+                continue
+            graph[name] |= {t for t in targets if t in modules and t != name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    out.append(sorted(component))
+    return out
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycle_in_the_package() -> None:
+    assert _cycles(_import_graph()) == []

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from reco_megatron.megatron import compat
+from reco_megatron.megatron.compat import versions as compat
 from reco_megatron.utils.logging import get_logger
 
 __all__ = [

@@ -127,8 +127,8 @@ def initialize_parallel(cfg: ParallelConfig, seed: int) -> str:
     """
     from megatron.core import parallel_state
 
-    from reco_megatron.megatron import compat
-    from reco_megatron.megatron.cpu_backend import enable_cpu_backend, model_parallel_seed
+    from reco_megatron.megatron.compat import versions as compat
+    from reco_megatron.megatron.compat.cpu_backend import enable_cpu_backend, model_parallel_seed
 
     on_gpu = torch.cuda.is_available()
     backend = "nccl" if on_gpu else "gloo"

@@ -209,7 +209,7 @@ def build_model(
         pre_process / post_process: whether this chunk holds the embedding / the output layer.
         on_gpu: pick the transformer-engine spec and CUDA placement.
     """
-    from reco_megatron.megatron.compat import build_gpt_model
+    from reco_megatron.megatron.compat.versions import build_gpt_model
 
     tp = config.tensor_model_parallel_size
     kwargs: dict[str, Any] = {}

@@ -269,7 +269,7 @@ class VLLMEngine(RolloutEngine):
             raise ValueError(
                 f"update_weights: {len(missing)} vLLM parameter(s) received no tensor and would "
                 f"keep their dummy values: {missing[:5]!r}. The stream must hold every weight "
-                "of the Hugging Face checkpoint (see reco_megatron.megatron.hf_checkpoint); the "
+                "of the Hugging Face checkpoint (see reco_megatron.megatron.hf.checkpoint); the "
                 "engine refuses to generate until a complete update succeeds."
             )
         if self.llm.reset_prefix_cache() is False:

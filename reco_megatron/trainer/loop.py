@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from reco_megatron.algo import diversity_metrics, group_advantages, pass_at_k
+from reco_megatron.algo import group_advantages
 from reco_megatron.config import dump_config
 from reco_megatron.data.chat import PromptFormatter
 from reco_megatron.data.sampler import PromptSampler
@@ -31,14 +31,11 @@ from reco_megatron.trainer.config import TrainConfig
 from reco_megatron.trainer.guards import EXIT_RESUMABLE, StabilityGuard, StopSignal
 from reco_megatron.trainer.metrics_writer import MetricsWriter, plot_training_curves
 from reco_megatron.trainer.rollout_batch import build_rollout_batch
+from reco_megatron.trainer.step_metrics import global_row, rollout_counters
 from reco_megatron.trainer.weight_sync import build_rollout_engine, sync_weights
 from reco_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)
-
-
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values) if values else float("nan")
 
 
 class Trainer:
@@ -124,7 +121,7 @@ class Trainer:
                 _resolve(cfg.init_megatron), self.engine, load_optimizer=False, load_rng=False
             )
         elif cfg.init_hf:
-            from reco_megatron.megatron.hf_checkpoint import load_hf_into_engine
+            from reco_megatron.megatron.hf.converter import load_hf_into_engine
 
             load_hf_into_engine(cfg.init_hf, self.engine, self.converter)
         if latest is None and self.cfg.sft.steps > 0:
@@ -218,74 +215,11 @@ class Trainer:
         times["time_sync"] = time.perf_counter() - t0
         self.step += 1
 
-        local = self._rollout_metrics(rewards, responses, completions, g)
-        row = self._global_row(local, steps, prep, reward_metrics, adv_metrics)
+        local = rollout_counters(rewards, completions, g)
+        row = global_row(
+            self.step, local, steps, prep, reward_metrics, adv_metrics, self.engine, self.layout
+        )
         row.update(times)
-        return row
-
-    def _rollout_metrics(self, rewards, responses, completions, g) -> dict[str, float]:
-        correct = (rewards >= 1.0).view(-1, g).sum(dim=1).tolist()
-        out: dict[str, float] = {
-            "reward_sum": float(rewards.sum()),
-            "num_responses": float(len(responses)),
-            "response_len_sum": float(sum(len(r) for r in responses)),
-            "truncated_sum": float(
-                sum(c.finish_reason == "length" for grp in completions for c in grp)
-            ),
-            "num_groups": float(len(correct)),
-        }
-        k = 1
-        while k <= g:
-            out[f"pass@{k}_sum"] = float(pass_at_k([g] * len(correct), correct, k).sum())
-            k *= 2
-        unique = [
-            diversity_metrics([tuple(c.token_ids) for c in grp])["unique_frac"]
-            for grp in completions
-        ]
-        out["unique_frac_sum"] = float(sum(unique))
-        return out
-
-    def _global_row(self, local, steps, prep, reward_metrics, adv_metrics) -> dict[str, Any]:
-        """Sum the rollout counters over DP ranks; engine metrics are already global."""
-        keys = sorted(local)
-        t = torch.tensor([local[k] for k in keys], dtype=torch.float64)
-        if self.engine.on_gpu:
-            t = t.cuda()
-        dist.all_reduce(t, group=self.layout.dp_group)
-        t = t.cpu()
-        s = dict(zip(keys, t.tolist(), strict=True))
-        n, groups = max(s["num_responses"], 1.0), max(s["num_groups"], 1.0)
-        row: dict[str, Any] = {
-            "step": self.step,
-            "reward_mean": s["reward_sum"] / n,
-            "response_len_mean": s["response_len_sum"] / n,
-            "truncated_frac": s["truncated_sum"] / n,
-            "unique_frac": s["unique_frac_sum"] / groups,
-        }
-        for key in keys:
-            if key.startswith("pass@"):
-                row[key.removesuffix("_sum")] = s[key] / groups
-        last = [self.engine.broadcast_metrics(m) for m in steps]
-        prep = self.engine.broadcast_metrics(prep)
-        for name, out in (
-            ("loss", "loss"),
-            ("entropy", "entropy_mean"),
-            ("clip_frac", "clip_frac"),
-            ("weight_mean", "weight_mean"),
-            ("weight_ess", "weight_ess"),
-            ("grad_norm", "grad_norm"),
-            ("kl_old_new", "kl_old_new"),
-            ("token_ratio_max", "token_ratio_max"),
-            ("ratio_max", "ratio_max"),
-            ("lr", "lr"),
-        ):
-            row[out] = _mean([m[name] for m in last if name in m])
-        row["logprob_mismatch"] = prep.get("logprob_mismatch", float("nan"))
-        row["updates_skipped"] = sum(m.get("update_skipped", 0.0) for m in last)
-        row["zero_adv_frac"] = float(adv_metrics.get("zero_adv_frac/mean", float("nan")))
-        for key, value in reward_metrics.items():
-            if key.endswith("/sum") and ("timeout" in key or "failure" in key or "crash" in key):
-                row["reward_" + key.split("/")[-2]] = value
         return row
 
     # ------------------------------------------------------------------ the run

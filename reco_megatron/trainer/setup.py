@@ -131,7 +131,7 @@ def sft_batches(
 
 def hf_converter(cfg: TrainConfig, *, on_gpu: bool) -> str:
     """Resolve ``checkpoint.hf_converter`` for this run, once, and log the choice and why."""
-    from reco_megatron.megatron.bridge import choose_converter
+    from reco_megatron.megatron.hf.converter import choose_converter
 
     par = cfg.parallel
     choice = choose_converter(

@@ -1,7 +1,7 @@
 """The rollout side of the loop: building the engine and streaming the policy into it.
 
 The policy's weights travel as Hugging Face ``(name, tensor)`` pairs
-(:func:`reco_megatron.megatron.hf_checkpoint.all_stage_hf_weights`): what vLLM's
+(:func:`reco_megatron.megatron.hf.converter.policy_hf_weights`): what vLLM's
 ``load_weights`` and the embedded transformers engine both take. Every rank holds a rollout
 engine for its data-parallel replica, so every rank receives every tensor.
 """
@@ -16,8 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from reco_megatron.megatron.hf_checkpoint import all_stage_hf_weights
-from reco_megatron.megatron.hf_config import hf_config_from_model_config
+from reco_megatron.megatron.hf.config import hf_config_from_model_config
+from reco_megatron.megatron.hf.converter import policy_hf_weights
 from reco_megatron.megatron.model import ModelConfig
 from reco_megatron.rollout.base import Completion, RolloutEngine, SamplingParams
 
@@ -127,10 +127,5 @@ def sync_weights(
     """Stream the current policy into the rollout engine (collective).
 
     ``converter`` is the resolved ``checkpoint.hf_converter``
-    (:func:`reco_megatron.megatron.bridge.choose_converter`)."""
-    if converter == "megatron_bridge":
-        from reco_megatron.megatron.bridge import bridge_hf_weights
-
-        rollout.update_weights(bridge_hf_weights(engine.unwrapped(), model_cfg))
-    else:
-        rollout.update_weights(all_stage_hf_weights(engine.unwrapped(), model_cfg))
+    (:func:`reco_megatron.megatron.hf.converter.choose_converter`)."""
+    rollout.update_weights(policy_hf_weights(engine.unwrapped(), model_cfg, converter))

@@ -20,9 +20,9 @@ import torch.distributed as dist
 
 from reco_megatron.algo import LossConfig
 from reco_megatron.megatron.batch import RolloutBatch, data_parallel_share
-from reco_megatron.megatron.convert import gather_tp, shard_tp
 from reco_megatron.megatron.distributed import ParallelConfig, initialize_parallel
 from reco_megatron.megatron.engine import ReCoEngine, UpdateConfig
+from reco_megatron.megatron.hf.convert import gather_tp, shard_tp
 from reco_megatron.megatron.model import ModelConfig
 from reco_megatron.megatron.optimizer import OptimConfig
 

@@ -25,8 +25,8 @@ SEED = 1234
 
 def init_parallel(tp: int = 1, pp: int = 1, seed: int = SEED) -> None:
     """Enable the CPU backend, initialise model parallelism and seed the RNG tracker."""
-    from reco_megatron.megatron import compat
-    from reco_megatron.megatron.cpu_backend import enable_cpu_backend, model_parallel_seed
+    from reco_megatron.megatron.compat import versions as compat
+    from reco_megatron.megatron.compat.cpu_backend import enable_cpu_backend, model_parallel_seed
 
     enable_cpu_backend()
     compat.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
@@ -63,8 +63,8 @@ def build_tiny_gpt(config: Any, seed: int = SEED) -> Any:
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from reco_megatron.megatron.compat import build_gpt_model
-    from reco_megatron.megatron.cpu_backend import validate_cpu_config
+    from reco_megatron.megatron.compat.cpu_backend import validate_cpu_config
+    from reco_megatron.megatron.compat.versions import build_gpt_model
 
     validate_cpu_config(config)
     torch.manual_seed(seed)

@@ -14,9 +14,10 @@ from typing import ClassVar
 import pytest
 import torch
 
-from reco_megatron.megatron import bridge
-from reco_megatron.megatron.bridge import bridge_hf_weights, bridge_load_hf, choose_converter
-from reco_megatron.megatron.convert import WeightMappingError
+from reco_megatron.megatron.hf import bridge
+from reco_megatron.megatron.hf.bridge import bridge_hf_weights, bridge_load_hf
+from reco_megatron.megatron.hf.convert import WeightMappingError
+from reco_megatron.megatron.hf.converter import choose_converter
 from reco_megatron.megatron.model import ModelConfig
 
 UNPADDED = ModelConfig(vocab_size=128, make_vocab_size_divisible_by=64)
@@ -144,7 +145,7 @@ def test_export_stream_calls_and_tied_head(fake_bridge, tied) -> None:
 
 
 def test_bridge_import_runs_our_checks_first(fake_bridge, tmp_path) -> None:
-    from reco_megatron.megatron.hf_config import model_config_from_hf
+    from reco_megatron.megatron.hf.config import model_config_from_hf
     from tests.megatron.test_convert import build_hf
 
     model = build_hf("llama")

@@ -37,7 +37,7 @@ VOCAB = 128  # no padding at TP 1/2 with make_vocab_size_divisible_by=64
 
 
 def _named(chunks: list[Any]) -> dict[str, torch.Tensor]:
-    from reco_megatron.megatron.convert import global_names
+    from reco_megatron.megatron.hf.convert import global_names
 
     return {g: p.detach().clone() for c in chunks for _, g, p in global_names(c)}
 
@@ -46,9 +46,10 @@ def _crosscheck(rank: int, world: int, hf_dir: str, tp: int, pp: int, src: str) 
     if src:
         os.environ[ENV] = src
     assert install(), "megatron.bridge does not import in the rank"
-    from reco_megatron.megatron.bridge import bridge_hf_weights, bridge_load_hf, choose_converter
-    from reco_megatron.megatron.hf_checkpoint import all_stage_hf_weights, load_hf_checkpoint
-    from reco_megatron.megatron.hf_config import model_config_from_hf
+    from reco_megatron.megatron.hf.bridge import bridge_hf_weights, bridge_load_hf
+    from reco_megatron.megatron.hf.checkpoint import all_stage_hf_weights, load_hf_checkpoint
+    from reco_megatron.megatron.hf.config import model_config_from_hf
+    from reco_megatron.megatron.hf.converter import choose_converter
 
     cfg = model_config_from_hf(hf_dir, make_vocab_size_divisible_by=64)
     ours = _build_chunks(cfg, tp, pp)

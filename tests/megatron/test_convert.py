@@ -14,12 +14,12 @@ from typing import Any
 import pytest
 import torch
 
-from reco_megatron.megatron.convert import WeightMappingError, fuse_qkv, split_qkv
-from reco_megatron.megatron.hf_config import (
+from reco_megatron.megatron.hf.config import (
     HFConfigError,
     hf_config_from_model_config,
     model_config_from_hf,
 )
+from reco_megatron.megatron.hf.convert import WeightMappingError, fuse_qkv, split_qkv
 from reco_megatron.testing.multiprocess import run_distributed
 
 transformers = pytest.importorskip("transformers")
@@ -128,8 +128,8 @@ def _build_chunks(model_cfg: Any, tp: int, pp: int) -> list[Any]:
 
 def _import_export(rank: int, world: int, hf_dir: str, tp: int, pp: int, out_dir: str) -> dict:
     """Import ``hf_dir`` at (tp, pp), compute logits, export and save back."""
-    from reco_megatron.megatron.hf_checkpoint import gather_hf_weights, load_hf_checkpoint
-    from reco_megatron.megatron.hf_checkpoint import save_hf_checkpoint as save
+    from reco_megatron.megatron.hf.checkpoint import gather_hf_weights, load_hf_checkpoint
+    from reco_megatron.megatron.hf.checkpoint import save_hf_checkpoint as save
 
     model_cfg = model_config_from_hf(hf_dir)  # default padding: 100 -> 128 * TP
     chunks = _build_chunks(model_cfg, tp, pp)
@@ -239,7 +239,7 @@ def _tampered(src: Path, dst: Path, edit: Any) -> Path:
 
 
 def test_missing_and_unexpected_tensors_are_named(hf_model: dict, tmp_path: Path) -> None:
-    from reco_megatron.megatron.hf_checkpoint import load_hf_checkpoint
+    from reco_megatron.megatron.hf.checkpoint import load_hf_checkpoint
 
     cfg = model_config_from_hf(hf_model["dir"])
     name = "model.layers.1.mlp.up_proj.weight"
@@ -261,7 +261,7 @@ def test_missing_and_unexpected_tensors_are_named(hf_model: dict, tmp_path: Path
 
 
 def _load_into_chunks(rank: int, world: int, hf_dir: str) -> str:
-    from reco_megatron.megatron.hf_checkpoint import load_hf_checkpoint
+    from reco_megatron.megatron.hf.checkpoint import load_hf_checkpoint
 
     cfg = model_config_from_hf(hf_dir)
     try:
@@ -283,7 +283,8 @@ def test_shape_mismatch_names_the_tensor(hf_model: dict, tmp_path: Path) -> None
 def _engine_save(rank: int, world: int, root: str, hf_dir: str) -> dict:
     """A TP-2 engine loaded from HF, trained one rollout, checkpointed; its logits."""
     from reco_megatron.megatron.checkpoint import save_checkpoint
-    from reco_megatron.megatron.hf_checkpoint import gather_hf_weights, load_hf_into_engine
+    from reco_megatron.megatron.hf.checkpoint import gather_hf_weights
+    from reco_megatron.megatron.hf.converter import load_hf_into_engine
     from tests.megatron import _reco
 
     cfg = model_config_from_hf(hf_dir, make_vocab_size_divisible_by=32)

@@ -17,7 +17,7 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "cpu-backend.md"
 
 
 def _forward_backward(rank: int, world_size: int) -> dict:
-    from reco_megatron.megatron.cpu_backend import applied_patches, enable_cpu_backend
+    from reco_megatron.megatron.compat.cpu_backend import applied_patches, enable_cpu_backend
 
     _tiny.init_parallel()
     first = applied_patches()
@@ -50,7 +50,7 @@ def test_forward_backward_and_patch_record() -> None:
 def _with_cuda_claimed(rank: int, world_size: int) -> dict:
     import megatron.core.utils as mutils
 
-    from reco_megatron.megatron import cpu_backend
+    from reco_megatron.megatron.compat import cpu_backend
 
     torch.cuda.is_available = lambda: True  # this rank only; the process is discarded
     enabled = cpu_backend.enable_cpu_backend()
@@ -69,7 +69,7 @@ def test_noop_when_cuda_available() -> None:
 def _dropout(rank: int, world_size: int, seed: int) -> dict:
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-    from reco_megatron.megatron.cpu_backend import CpuRNGStatesTracker, model_parallel_seed
+    from reco_megatron.megatron.compat.cpu_backend import CpuRNGStatesTracker, model_parallel_seed
 
     _tiny.init_parallel(seed=seed)
     model = _tiny.build_tiny_gpt(_tiny.tiny_config(dropout=0.3))

@@ -1,18 +1,13 @@
-"""Optional Megatron-Bridge path for the HF <-> Megatron weight mapping, with our own as fallback.
+"""Megatron-Bridge (NVIDIA's HF <-> Megatron converter) as an optional weight mapping.
 
-``checkpoint.hf_converter`` picks who maps Hugging Face tensors to Megatron parameters when
-importing ``checkpoint.init_hf`` and when streaming the policy into the rollout engine:
-
-* ``builtin``: our mapping (:mod:`reco_megatron.megatron.convert`), which works everywhere.
-* ``megatron_bridge``: NVIDIA Megatron-Bridge's ``AutoBridge``; an error naming the reason when
-  it cannot be used here.
-* ``auto`` (default): Megatron-Bridge when it imports (GPU containers) and the model is in the
-  range where it gives exactly our tensors, else ours, with the reason logged once.
+This module only drives Megatron-Bridge; who maps the weights for a run (``builtin``,
+``megatron_bridge`` or ``auto``) is decided by :mod:`reco_megatron.megatron.hf.converter`,
+which calls in here. ``megatron.bridge`` itself is imported inside the functions only.
 
 Written against Megatron-Bridge **0.6.2**, read from its source and run against our
 local-spec models on CPU (``tests/megatron/test_bridge_crosscheck.py``: import and the weight
 stream are bit-identical to ours for Llama and Qwen2 at TP 1/2 and PP 2). Where 0.6.2 would
-give something else, ``auto`` keeps ours:
+give something else (:func:`bridge_limits`), ``auto`` keeps ours:
 
 * padded vocabulary (Megatron pads to a multiple of ``make_vocab_size_divisible_by * TP``): the
   bridge exports the padded rows (``[V_padded, H]`` instead of ``[V, H]``) and its import at
@@ -22,7 +17,7 @@ give something else, ``auto`` keeps ours:
 
 Also, the bridge's import skips a tensor missing from the checkpoint with a warning (the
 parameter keeps its random init), so our own config and key-set checks always run first
-(:func:`reco_megatron.megatron.hf_checkpoint.check_hf_checkpoint`). The bridge never writes
+(:func:`reco_megatron.megatron.hf.checkpoint.check_hf_checkpoint`). The bridge never writes
 export directories here: ``reco-export`` keeps our streamed safetensors writer.
 """
 
@@ -30,29 +25,18 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-from reco_megatron.megatron.convert import LM_HEAD
-from reco_megatron.megatron.hf_config import hf_config_from_model_config
+from reco_megatron.megatron.hf.checkpoint import check_hf_checkpoint
+from reco_megatron.megatron.hf.config import hf_config_from_model_config
+from reco_megatron.megatron.hf.convert import LM_HEAD
 from reco_megatron.megatron.model import ModelConfig
 from reco_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)
-
-HFConverter = Literal["auto", "builtin", "megatron_bridge"]
-HF_CONVERTERS: tuple[str, ...] = ("auto", "builtin", "megatron_bridge")
-
-
-@dataclass(frozen=True)
-class ConverterChoice:
-    """Who maps the weights, and why (logged at start-up)."""
-
-    name: Literal["builtin", "megatron_bridge"]
-    reason: str
 
 
 @functools.cache
@@ -90,48 +74,6 @@ def bridge_limits(
     return out
 
 
-def choose_converter(
-    setting: str,
-    model_cfg: ModelConfig,
-    *,
-    tp: int,
-    pp: int,
-    vpp: int = 1,
-    on_gpu: bool,
-    importing: bool,
-) -> ConverterChoice:
-    """Resolve ``checkpoint.hf_converter`` for this run (see the module docstring)."""
-    if setting not in HF_CONVERTERS:
-        raise ValueError(f"checkpoint.hf_converter must be one of {HF_CONVERTERS}, got {setting!r}")
-    if setting == "builtin":
-        return ConverterChoice("builtin", "checkpoint.hf_converter=builtin")
-    problem = bridge_import_error()
-    limits = (
-        []
-        if problem
-        else bridge_limits(model_cfg, tp=tp, pp=pp, vpp=vpp, on_gpu=on_gpu, importing=importing)
-    )
-    if setting == "megatron_bridge":
-        if problem:
-            raise RuntimeError(
-                f"checkpoint.hf_converter=megatron_bridge but Megatron-Bridge does not import "
-                f"({problem}); install it in a GPU container (pip install megatron-bridge) or "
-                "use checkpoint.hf_converter=builtin"
-            )
-        if limits:
-            raise ValueError(
-                "checkpoint.hf_converter=megatron_bridge cannot give the right tensors here: "
-                + "; ".join(limits)
-                + ". Use checkpoint.hf_converter=builtin (or auto)"
-            )
-        return ConverterChoice("megatron_bridge", "checkpoint.hf_converter=megatron_bridge")
-    if problem:
-        return ConverterChoice("builtin", f"Megatron-Bridge not importable ({problem})")
-    if limits:
-        return ConverterChoice("builtin", "Megatron-Bridge importable but " + "; ".join(limits))
-    return ConverterChoice("megatron_bridge", "Megatron-Bridge importable and the model fits it")
-
-
 def _prepare(model_chunks: list[Any], model_cfg: ModelConfig) -> None:
     """The bridge reads the tie flag from ``config.share_embeddings_and_output_weights``, which
     our ``TransformerConfig`` does not carry (``GPTModel`` takes it as an argument)."""
@@ -151,7 +93,7 @@ def bridge_hf_weights(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every HF ``(name, tensor)`` pair on every rank, through ``AutoBridge.export_hf_weights``
     (it gathers TP shards and PP stages itself; collective: every rank exhausts it). The same
-    stream as :func:`reco_megatron.megatron.hf_checkpoint.all_stage_hf_weights`: a tied
+    stream as :func:`reco_megatron.megatron.hf.checkpoint.all_stage_hf_weights`: a tied
     ``lm_head.weight`` is dropped, as ours never sends it."""
     import transformers
     from megatron.bridge import AutoBridge
@@ -174,8 +116,6 @@ def bridge_load_hf(hf_dir: str | Path, model_chunks: list[Any], model_cfg: Model
     ``config.json`` and the tensor set (the bridge would skip a missing tensor silently).
     Collective: every rank calls it."""
     from megatron.bridge import AutoBridge
-
-    from reco_megatron.megatron.hf_checkpoint import check_hf_checkpoint
 
     check_hf_checkpoint(hf_dir, model_cfg)
     _prepare(model_chunks, model_cfg)

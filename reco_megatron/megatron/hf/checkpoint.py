@@ -1,7 +1,7 @@
 """Hugging Face checkpoint directories: save from and load into Megatron model chunks.
 
 Saving (:func:`save_hf_checkpoint`, collective) streams: every pipeline stage exports its own
-layers (:func:`reco_megatron.megatron.convert.export_hf_weights`), global rank 0 receives
+layers (:func:`reco_megatron.megatron.hf.convert.export_hf_weights`), global rank 0 receives
 them one tensor at a time (:func:`gather_hf_weights`) and writes each straight into its
 place in a ``.safetensors`` file whose header was computed beforehand from the export plan,
 so rank 0 holds one full tensor beyond its model however large the checkpoint is. Files are
@@ -27,18 +27,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from reco_megatron.megatron.convert import (
+from reco_megatron.megatron.hf.config import (
+    architecture_mismatches,
+    hf_config_from_model_config,
+    model_config_from_hf,
+)
+from reco_megatron.megatron.hf.convert import (
     LM_HEAD,
     WeightMappingError,
     export_hf_weights,
     export_plan,
     hf_shapes,
     import_hf_weights,
-)
-from reco_megatron.megatron.hf_config import (
-    architecture_mismatches,
-    hf_config_from_model_config,
-    model_config_from_hf,
 )
 from reco_megatron.megatron.model import ModelConfig
 from reco_megatron.utils.logging import get_logger
@@ -363,17 +363,3 @@ def load_hf_checkpoint(hf_dir: str | Path, model_chunks: list[Any], model_cfg: M
 
         used = import_hf_weights(model_chunks, model_cfg, get)
     logger.info("loaded %d tensors from %s", len(set(used)), hf_dir)
-
-
-def load_hf_into_engine(hf_dir: str | Path, engine: Any, converter: str = "builtin") -> None:
-    """:func:`load_hf_checkpoint` (or, with ``converter="megatron_bridge"``, Megatron-Bridge's
-    import after the same checks) into a ``ReCoEngine``, then refresh the optimizer's fp32
-    main params and the reference model from the loaded weights."""
-    if converter == "megatron_bridge":
-        from reco_megatron.megatron.bridge import bridge_load_hf
-
-        bridge_load_hf(hf_dir, engine.unwrapped(), engine.model_cfg)
-    else:
-        load_hf_checkpoint(hf_dir, engine.unwrapped(), engine.model_cfg)
-    engine.optimizer.reload_model_params()
-    engine.sync_reference()

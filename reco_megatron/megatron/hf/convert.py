@@ -229,7 +229,7 @@ def export_hf_weights(
     gathered megatron tensor (``[Vp, H]`` for the embedding) plus its HF pieces are alive;
     tensors may share storage with the parameters and must be treated as read-only. The
     pairs are what ``vllm``'s ``model.load_weights`` and a transformers ``state_dict``
-    accept; use :func:`reco_megatron.megatron.hf_checkpoint.gather_hf_weights` to collect all
+    accept; use :func:`reco_megatron.megatron.hf.checkpoint.gather_hf_weights` to collect all
     stages on one rank.
     """
     for chunk in model_chunks:

@@ -49,7 +49,7 @@ class CpuRNGStatesTracker(mrandom.CudaRNGStatesTracker):
         if name not in self.states_:
             raise KeyError(
                 f"RNG state {name!r} was never added; call "
-                "reco_megatron.megatron.cpu_backend.model_parallel_seed(seed) after "
+                "reco_megatron.megatron.compat.cpu_backend.model_parallel_seed(seed) after "
                 "initialize_model_parallel"
             )
         outer_name = self._current_state_name

@@ -1,31 +1,15 @@
-"""Run the real megatron-core on CPU (gloo): the embedded CPU default of reco-megatron.
+"""The redirections the CPU backend applies to megatron-core, one function per kind.
 
-megatron-core assumes CUDA in a handful of places that are not about computation: it asks
-``torch.cuda.current_device()`` where to allocate buffers, hard-codes ``device="cuda"`` for a
-few scalars, calls ``torch.cuda.synchronize()`` / ``torch.cuda.current_stream()`` around
-communication, checks ``param.type() == 'torch.cuda.FloatTensor'`` in the distributed
-optimizer and keeps its model-parallel RNG states as CUDA generator states. On a machine
-without CUDA each of these raises. :func:`enable_cpu_backend` redirects exactly these, and
-nothing that can already work:
+Each function applies its redirection and returns the :class:`Patch` records it made;
+:func:`reco_megatron.megatron.compat.cpu_backend.enable_cpu_backend` decides when to call them
+and keeps the record. Nothing here runs at import time.
 
-* it replaces the module-level name ``torch`` *inside the listed megatron modules* by a thin
-  proxy whose ``torch.cuda.current_device / synchronize / current_stream`` answer for the CPU
-  and whose tensor factories map ``device="cuda"`` to the CPU; ``torch`` itself, and every
-  other module, is untouched;
-* it wraps ``DistributedOptimizer._build_model_and_main_param_groups`` so that, for the
-  duration of that call only, a CPU float32 parameter reports the type name the check expects;
-* it installs :class:`CpuRNGStatesTracker` as megatron's model-parallel RNG tracker.
-
-Every patch is recorded (:func:`applied_patches`); ``docs/cpu-backend.md`` lists them with the
-megatron-core versions that need them, and a test checks the two agree. When CUDA is
-available, :func:`enable_cpu_backend` logs one line and changes nothing (unless ``force``).
-
-Usage::
-
-    from reco_megatron.megatron.cpu_backend import enable_cpu_backend, model_parallel_seed
-    enable_cpu_backend()                 # no-op on a GPU machine
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
-    model_parallel_seed(1234)            # CPU tracker here, megatron's CUDA seeding on GPU
+* :func:`proxy_modules`: the module-level ``torch`` of the listed megatron modules becomes a
+  proxy whose ``torch.cuda`` device queries answer CPU and whose factories map ``"cuda"`` to CPU;
+* :func:`patch_type_checks`: functions asserting ``.type() == 'torch.cuda.FloatTensor'`` see
+  the CUDA type name of CPU tensors during the call only;
+* :func:`patch_tied_embedding_setup`: ``Tensor.cuda()`` is the identity while the last pipeline
+  stage sets up its tied embedding copy.
 """
 
 from __future__ import annotations
@@ -40,18 +24,7 @@ from typing import Any
 
 import torch
 
-from reco_megatron.megatron.cpu_rng import CpuRNGStatesTracker, install_cpu_rng_tracker
 from reco_megatron.utils.logging import get_logger
-
-__all__ = [
-    "CpuRNGStatesTracker",
-    "Patch",
-    "applied_patches",
-    "cpu_backend_enabled",
-    "enable_cpu_backend",
-    "model_parallel_seed",
-    "validate_cpu_config",
-]
 
 logger = get_logger(__name__)
 
@@ -125,9 +98,6 @@ _FACTORIES = frozenset(
         "as_tensor",
     }
 )
-
-_patches: list[Patch] = []
-_state: dict[str, bool] = {"enabled": False, "decided": False}
 
 
 def _cpu_device(device: Any) -> Any:
@@ -211,8 +181,9 @@ def _under_cuda_type_names(fn: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
-def _patch_type_checks() -> None:
+def patch_type_checks() -> list[Patch]:
     """Run the functions that assert ``.type() == 'torch.cuda.FloatTensor'`` under the alias."""
+    out: list[Patch] = []
     from megatron.core.optimizer import clip_grads, distrib_optimizer
     from megatron.core.optimizer import optimizer as moptimizer
 
@@ -222,7 +193,7 @@ def _patch_type_checks() -> None:
     inner = original.__func__ if wrapper_type else original
     build = _under_cuda_type_names(inner)
     cls._build_model_and_main_param_groups = wrapper_type(build) if wrapper_type else build
-    _patches.append(
+    out.append(
         Patch(
             f"{_DISTRIB_OPTIMIZER}._build_model_and_main_param_groups",
             "asserts param.type() == 'torch.cuda.FloatTensor'; CPU tensors report their CUDA "
@@ -233,13 +204,14 @@ def _patch_type_checks() -> None:
     for module in (clip_grads, moptimizer):  # optimizer.py imported the name at import time
         if getattr(module, "clip_grad_by_total_norm_fp32", None) is not None:
             module.clip_grad_by_total_norm_fp32 = clip
-            _patches.append(
+            out.append(
                 Patch(
                     f"{module.__name__}.clip_grad_by_total_norm_fp32",
                     "gradient clipping asserts grad.type() == 'torch.cuda.FloatTensor'; CPU "
                     "tensors report their CUDA type name during this call only",
                 )
             )
+    return out
 
 
 @contextmanager
@@ -257,7 +229,7 @@ def _tensor_cuda_is_identity() -> Iterator[None]:
         torch.Tensor.cuda = original  # type: ignore[method-assign]
 
 
-def _patch_tied_embedding_setup() -> None:
+def patch_tied_embedding_setup() -> list[Patch]:
     """Tied embeddings with PP > 1: the last stage moves its copy to CUDA before syncing it."""
     from megatron.core.models.common.language_module import language_module
 
@@ -270,18 +242,20 @@ def _patch_tied_embedding_setup() -> None:
             return original(self, *args, **kwargs)
 
     cls.setup_embeddings_and_output_layer = setup
-    _patches.append(
+    return [
         Patch(
             f"{language_module.__name__}.LanguageModule.setup_embeddings_and_output_layer",
             "with tied embeddings and PP > 1 the last stage calls weight.data.cuda() before "
             "all-reducing its copy over the embedding group; Tensor.cuda() is the identity "
             "during this call only",
         )
-    )
+    ]
 
 
-def _proxy_modules() -> None:
+def proxy_modules() -> list[Patch]:
+    """Replace the module-level ``torch`` of each listed megatron module by the CPU proxy."""
     proxy = _CpuTorch()
+    out: list[Patch] = []
     for name, reason in _PROXIED_MODULES.items():
         try:
             module = importlib.import_module(name)
@@ -291,107 +265,5 @@ def _proxy_modules() -> None:
         if getattr(module, "torch", None) is not torch:
             continue  # module does not use the name `torch`
         module.torch = proxy  # type: ignore[attr-defined]
-        _patches.append(Patch(f"{name}.torch", reason))
-
-
-def enable_cpu_backend(force: bool = False) -> bool:
-    """Make megatron-core run on CPU with gloo; returns whether the backend is active.
-
-    Idempotent: the first call decides and logs once, later calls return the same answer.
-    With CUDA available (and ``force`` false) it changes nothing and logs that. ``force=True``
-    applies the patches even where CUDA is available (tests of the CPU path on a GPU box).
-    """
-    if _state["enabled"] or (_state["decided"] and not force):
-        return _state["enabled"]
-    _state["decided"] = True
-    if torch.cuda.is_available() and not force:
-        logger.info("CUDA is available: megatron-core runs on GPU, CPU backend not enabled")
-        return False
-    _proxy_modules()
-    _patch_type_checks()
-    _patch_tied_embedding_setup()
-    install_cpu_rng_tracker()
-    _patches.append(
-        Patch(
-            "megatron.core.tensor_parallel.random._CUDA_RNG_STATE_TRACKER",
-            "megatron keeps model-parallel RNG states as CUDA generator states; replaced by "
-            "CpuRNGStatesTracker (forks torch's CPU generator)",
-        )
-    )
-    _state["enabled"] = True
-    import megatron.core
-
-    logger.info(
-        "CPU backend enabled for megatron-core %s: %d patches (see docs/cpu-backend.md)",
-        getattr(megatron.core, "__version__", "?"),
-        len(_patches),
-    )
-    return True
-
-
-def cpu_backend_enabled() -> bool:
-    """Whether :func:`enable_cpu_backend` has applied its patches in this process."""
-    return _state["enabled"]
-
-
-def applied_patches() -> list[Patch]:
-    """The patches applied in this process, in order (empty when the backend is off)."""
-    return list(_patches)
-
-
-def model_parallel_seed(seed: int) -> None:
-    """Seed the default and model-parallel RNG states on CPU or GPU.
-
-    On GPU (backend off) this is megatron's ``model_parallel_cuda_manual_seed(seed)``. On CPU it
-    mirrors it on torch's CPU generator: the default generator gets ``seed`` (data-parallel
-    state), and the tracker gets ``seed + 2718 + tp_rank`` (model-parallel state, differs across
-    TP ranks) and ``seed + 1024 + 100 * ep_rank + etp_rank`` (expert state). Call it after
-    ``initialize_model_parallel``.
-    """
-    if not _state["enabled"]:
-        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-        model_parallel_cuda_manual_seed(seed)
-        return
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import random as mrandom
-
-    tracker = install_cpu_rng_tracker()
-    tracker.reset()
-    torch.manual_seed(seed)
-    tracker.add(mrandom._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
-    tracker.add(
-        mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME,
-        seed + 2718 + ps.get_tensor_model_parallel_rank(),
-    )
-    expert_seed = (
-        seed
-        + 1024
-        + 100 * ps.get_expert_model_parallel_rank()
-        + ps.get_expert_tensor_parallel_rank()
-    )
-    tracker.add(mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME, expert_seed)
-
-
-def validate_cpu_config(config: Any) -> None:
-    """Reject TransformerConfig options the CPU backend cannot run, saying what to change.
-
-    Raises ``ValueError`` when the backend is active and ``config`` asks for something that
-    needs CUDA-only kernels. Does nothing when the backend is off.
-    """
-    if not _state["enabled"]:
-        return
-    problems = []
-    if getattr(config, "sequence_parallel", False):
-        problems.append(
-            "sequence_parallel=True: not supported with the CPU layer spec "
-            "(get_gpt_layer_local_spec, torch LayerNorm), where megatron-core fails to run it; "
-            "set sequence_parallel=False on CPU (keep it for GPU runs with the Transformer "
-            "Engine spec)"
-        )
-    if getattr(config, "fp16", False):
-        problems.append(
-            "fp16=True: fp16 loss scaling keeps its scale on CUDA; use fp32 or bf16=True on CPU"
-        )
-    if problems:
-        raise ValueError("CPU backend cannot run this config:\n- " + "\n- ".join(problems))
+        out.append(Patch(f"{name}.torch", reason))
+    return out

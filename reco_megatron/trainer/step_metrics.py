@@ -1,0 +1,96 @@
+"""The numbers of one RL step: per-rank rollout counters and the global ``metrics.jsonl`` row."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from reco_megatron.algo import diversity_metrics, pass_at_k
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def rollout_counters(
+    rewards: torch.Tensor, completions: list[list[Any]], g: int
+) -> dict[str, float]:
+    """This DP rank's rollout counters, as sums (``*_sum``) and counts, so that summing them
+    over DP ranks and dividing gives the global means. ``rewards``: ``[n_groups * g]``."""
+    responses = [c.token_ids for group in completions for c in group]
+    correct = (rewards >= 1.0).view(-1, g).sum(dim=1).tolist()
+    out: dict[str, float] = {
+        "reward_sum": float(rewards.sum()),
+        "num_responses": float(len(responses)),
+        "response_len_sum": float(sum(len(r) for r in responses)),
+        "truncated_sum": float(
+            sum(c.finish_reason == "length" for grp in completions for c in grp)
+        ),
+        "num_groups": float(len(correct)),
+    }
+    k = 1
+    while k <= g:
+        out[f"pass@{k}_sum"] = float(pass_at_k([g] * len(correct), correct, k).sum())
+        k *= 2
+    unique = [
+        diversity_metrics([tuple(c.token_ids) for c in grp])["unique_frac"] for grp in completions
+    ]
+    out["unique_frac_sum"] = float(sum(unique))
+    return out
+
+
+def global_row(
+    step: int,
+    local: dict[str, float],
+    steps: list[dict[str, float]],
+    prep: dict[str, float],
+    reward_metrics: dict[str, float],
+    adv_metrics: dict[str, Any],
+    engine: Any,
+    layout: Any,
+) -> dict[str, Any]:
+    """One ``metrics.jsonl`` row: the rollout counters summed over DP ranks (collective over
+    ``layout.dp_group``), the engine's per-update metrics (already global, broadcast from the
+    last stage) averaged over the updates of this step, and the reward failure counters."""
+    keys = sorted(local)
+    t = torch.tensor([local[k] for k in keys], dtype=torch.float64)
+    if engine.on_gpu:
+        t = t.cuda()
+    dist.all_reduce(t, group=layout.dp_group)
+    t = t.cpu()
+    s = dict(zip(keys, t.tolist(), strict=True))
+    n, groups = max(s["num_responses"], 1.0), max(s["num_groups"], 1.0)
+    row: dict[str, Any] = {
+        "step": step,
+        "reward_mean": s["reward_sum"] / n,
+        "response_len_mean": s["response_len_sum"] / n,
+        "truncated_frac": s["truncated_sum"] / n,
+        "unique_frac": s["unique_frac_sum"] / groups,
+    }
+    for key in keys:
+        if key.startswith("pass@"):
+            row[key.removesuffix("_sum")] = s[key] / groups
+    last = [engine.broadcast_metrics(m) for m in steps]
+    prep = engine.broadcast_metrics(prep)
+    for name, out in (
+        ("loss", "loss"),
+        ("entropy", "entropy_mean"),
+        ("clip_frac", "clip_frac"),
+        ("weight_mean", "weight_mean"),
+        ("weight_ess", "weight_ess"),
+        ("grad_norm", "grad_norm"),
+        ("kl_old_new", "kl_old_new"),
+        ("token_ratio_max", "token_ratio_max"),
+        ("ratio_max", "ratio_max"),
+        ("lr", "lr"),
+    ):
+        row[out] = _mean([m[name] for m in last if name in m])
+    row["logprob_mismatch"] = prep.get("logprob_mismatch", float("nan"))
+    row["updates_skipped"] = sum(m.get("update_skipped", 0.0) for m in last)
+    row["zero_adv_frac"] = float(adv_metrics.get("zero_adv_frac/mean", float("nan")))
+    for key, value in reward_metrics.items():
+        if key.endswith("/sum") and ("timeout" in key or "failure" in key or "crash" in key):
+            row["reward_" + key.split("/")[-2]] = value
+    return row
