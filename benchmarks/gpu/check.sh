@@ -46,7 +46,7 @@ export MODE OUT PYTHON WHEELS SITE  # each step runs in its own bash under `time
 
 STEPS=(install environment gpu_tests stats_op rl_step)
 # seconds per step on the GPU machine (sum: 5 min at most); the CPU rehearsal gets 3x
-declare -A LIMIT=([install]=30 [environment]=30 [gpu_tests]=150 [stats_op]=40 [rl_step]=50)
+declare -A LIMIT=([install]=20 [environment]=20 [gpu_tests]=140 [stats_op]=45 [rl_step]=70)
 
 # ---------------------------------------------------------------- the steps
 step_install() {
