@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from reco_megatron.megatron.device import compute_device
 from reco_megatron.megatron.hf.config import hf_config_from_model_config
 from reco_megatron.megatron.hf.converter import policy_hf_weights
 from reco_megatron.megatron.model import ModelConfig
@@ -61,8 +62,13 @@ class RolloutClient:
         self.engine.close()
 
 
-def build_rollout_engine(cfg: Any, tokenizer: Any) -> RolloutClient:
-    """The configured engine (``embedded`` or ``vllm``) for the policy architecture."""
+def build_rollout_engine(
+    cfg: Any, tokenizer: Any, device: torch.device | str | None = None
+) -> RolloutClient:
+    """The configured engine (``embedded`` or ``vllm``) for the policy architecture.
+
+    ``device``: where the embedded engine runs (the training engine's ``engine.device``;
+    None: :func:`~reco_megatron.megatron.device.compute_device`). vLLM places itself."""
     r = cfg.rollout
     eos = (tokenizer.eos_id,)
     sampling = SamplingParams(
@@ -78,11 +84,11 @@ def build_rollout_engine(cfg: Any, tokenizer: Any) -> RolloutClient:
     if r.engine == "embedded":
         from reco_megatron.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
 
-        device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+        where = str(device if device is not None else compute_device())
         engine: RolloutEngine = EmbeddedEngine(
             hf_config,
             EmbeddedEngineConfig(
-                max_model_len=max_len, seed=cfg.trainer.seed, device=device, eos_token_ids=eos
+                max_model_len=max_len, seed=cfg.trainer.seed, device=where, eos_token_ids=eos
             ),
         )
     else:
