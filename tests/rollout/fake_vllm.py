@@ -372,3 +372,17 @@ def install(monkeypatch: Any = None) -> types.ModuleType:
         else:
             sys.modules[name] = value
     return mod
+
+
+def prepare(monkeypatch: Any, directory: Path) -> Path:
+    """What a test of the adapter needs: the fake installed, ``RANK`` / ``LOCAL_RANK`` set (as
+    torchrun does), and ``directory/config.json`` of the tiny Llama with ``architectures``
+    (the config-only model directory the trainer writes). Returns ``directory``."""
+    from tests.rollout._tiny import TINY_LLAMA
+
+    install(monkeypatch)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    config = {**TINY_LLAMA, "architectures": ["LlamaForCausalLM"]}
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory

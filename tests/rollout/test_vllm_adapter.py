@@ -8,7 +8,6 @@ pushed weights). The real engine runs only in the ``vllm``-marked test.
 
 from __future__ import annotations
 
-import json
 import random
 
 import pytest
@@ -17,19 +16,9 @@ import torch
 from reco_megatron.rollout import SamplingParams, VLLMEngine, VLLMEngineConfig
 from reco_megatron.rollout.vllm_requests import request_seeds
 from tests.rollout import fake_vllm
-from tests.rollout._tiny import TINY_LLAMA, teacher_forced_logprobs, tiny_model
+from tests.rollout._tiny import teacher_forced_logprobs, tiny_model
 
 PROMPTS = [[5, 6, 7], [1, 9, 10, 11], [4]]
-
-
-@pytest.fixture
-def fake(monkeypatch, tmp_path):
-    fake_vllm.install(monkeypatch)
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    config = {**TINY_LLAMA, "architectures": ["LlamaForCausalLM"]}
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    return tmp_path
 
 
 def _engine(model_dir, **kw) -> VLLMEngine:

@@ -10,8 +10,6 @@ tokenizer, and per-prompt seeds that do not collide with vLLM's child seeds.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -20,19 +18,9 @@ from reco_megatron.rollout.sampling import truncation_mask
 from reco_megatron.rollout.vllm_requests import completions_from_outputs
 from reco_megatron.rollout.weight_check import WeightStreamError
 from tests.rollout import fake_vllm
-from tests.rollout._tiny import TINY_LLAMA, tiny_model
+from tests.rollout._tiny import tiny_model
 
 PROMPTS = [[5, 6, 7], [1, 9, 10, 11]]
-
-
-@pytest.fixture
-def fake(monkeypatch, tmp_path):
-    fake_vllm.install(monkeypatch)
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    config = {**TINY_LLAMA, "architectures": ["LlamaForCausalLM"]}
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    return tmp_path
 
 
 @pytest.fixture(scope="module")

@@ -2,27 +2,17 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
+from reco_megatron.megatron.hf.config import model_config_from_hf
 from reco_megatron.megatron.hf.convert import hf_shapes
-from reco_megatron.megatron.model import ModelConfig
 from reco_megatron.rollout import SamplingParams, VLLMEngine, VLLMEngineConfig
 from reco_megatron.rollout.weight_check import WeightStreamError
 from reco_megatron.trainer.weight_sync import RolloutClient
 from tests.rollout import fake_vllm
 from tests.rollout._tiny import TINY_LLAMA, tiny_model
 
-TINY = ModelConfig(
-    num_layers=2,
-    hidden_size=32,
-    ffn_hidden_size=64,
-    num_attention_heads=4,
-    num_query_groups=2,
-    vocab_size=64,
-    max_position_embeddings=64,
-)
+TINY = model_config_from_hf(TINY_LLAMA)  # the tiny Llama the fake builds, as a ModelConfig
 
 
 def test_hf_shapes_is_the_transformers_state_dict() -> None:
@@ -33,11 +23,7 @@ def test_hf_shapes_is_the_transformers_state_dict() -> None:
 
 @pytest.fixture
 def client(monkeypatch, tmp_path) -> RolloutClient:
-    fake_vllm.install(monkeypatch)
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    config = {**TINY_LLAMA, "architectures": ["LlamaForCausalLM"]}
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    fake_vllm.prepare(monkeypatch, tmp_path)
     engine = VLLMEngine(VLLMEngineConfig(model=str(tmp_path), max_model_len=64))
     return RolloutClient(engine, SamplingParams(max_new_tokens=4), hf_shapes(TINY))
 
