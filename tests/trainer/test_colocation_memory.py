@@ -69,3 +69,24 @@ def test_docs_table_is_the_codes() -> None:
     from reco_megatron.trainer.memory import colocation_table, example_budgets
 
     assert colocation_table(example_budgets()) in Path("docs/rollout.md").read_text()
+
+
+def test_start_up_check_reads_the_device_and_warns(monkeypatch) -> None:
+    """``warn_if_colocation_overflows`` on a (pretend) 40 GiB GPU with the 8B example: every
+    phase overflows and each is reported; without CUDA it says nothing."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from reco_megatron.trainer.weight_sync import warn_if_colocation_overflows
+
+    cfg = load_config(TrainConfig, "examples/llama3.1-8b-instruct.yaml", [])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert warn_if_colocation_overflows(cfg) == []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    props = SimpleNamespace(total_memory=40 * GIB)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    messages = warn_if_colocation_overflows(cfg)  # one process: DP 1, all Adam states here
+    assert [m.split()[1] for m in messages] == ["generate", "update", "refit"]
+    assert all("GPU 40.0 GiB" in m for m in messages)
