@@ -31,7 +31,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -147,7 +147,7 @@ class EmbeddedEngine(RolloutEngine):
         self._seed = self.config.seed
         self._calls = 0
         self._weights_loaded = False
-        self._asleep = False
+        self._weights_asleep = self._kv_asleep = False
         self._closed = False
 
     # ----------------------------------------------------------------- properties
@@ -165,14 +165,14 @@ class EmbeddedEngine(RolloutEngine):
         return self._eos_ids
 
     # ----------------------------------------------------------------- weights
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy a full HF-named state dict into the model, strictly.
+    def _load_weights(self, stream: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """Copy a full HF-named state dict into the model, strictly (the base class's
+        :meth:`~reco_megatron.rollout.base.RolloutEngine.update_weights` calls this).
 
         Every parameter and persistent buffer must arrive exactly once (tied weights, e.g.
         ``lm_head.weight`` sharing ``model.embed_tokens.weight``, are satisfied by either name);
         unknown names, shape mismatches and missing names raise :class:`ValueError` listing them
-        after the whole stream was read. Tensors are cast to the model's dtype and device. After
-        a failed update the engine refuses to generate until a complete update succeeds.
+        after the whole stream was read. Tensors are cast to the model's dtype and device.
         """
         self._check_open()
         targets = self.model.state_dict(keep_vars=True)
@@ -187,9 +187,8 @@ class EmbeddedEngine(RolloutEngine):
         unknown: list[str] = []
         bad_shape: list[str] = []
         duplicate: list[str] = []
-        self._weights_loaded = False
         with torch.no_grad():
-            for name, tensor in named_tensors:
+            for name, tensor in stream:
                 if name not in targets:
                     unknown.append(name)
                     continue
@@ -225,7 +224,6 @@ class EmbeddedEngine(RolloutEngine):
                 + "; ".join(problems)
                 + ". The engine keeps refusing generate until a complete update succeeds."
             )
-        self._weights_loaded = True
         logger.debug("embedded engine: loaded %d tensors", len(seen))
 
     # ----------------------------------------------------------------- generation
@@ -339,23 +337,20 @@ class EmbeddedEngine(RolloutEngine):
         return results
 
     # ----------------------------------------------------------------- memory and state
-    def sleep(self) -> None:
+    def _release_memory(self) -> None:
         """Move weights to host memory on GPU; on CPU nothing is held between calls (the KV
-        cache lives only inside :meth:`generate`), so sleep only marks the engine."""
+        cache lives only inside :meth:`generate`), so sleeping only marks the engine."""
         self._check_open()
-        if self._asleep:
-            return
         if torch.device(self.config.device).type == "cuda":
             self.model.to("cpu")
             torch.cuda.empty_cache()
-        self._asleep = True
 
-    def wake(self) -> None:
-        """Bring weights back to the engine's device; ``generate`` works again."""
+    def _restore_memory(self, tag: str) -> None:
+        """``"weights"``: back to the engine's device; ``"kv_cache"``: nothing to allocate (the
+        cache is built per :meth:`generate` call)."""
         self._check_open()
-        if self._asleep and torch.device(self.config.device).type == "cuda":
+        if tag == "weights" and torch.device(self.config.device).type == "cuda":
             self.model.to(self.config.device)
-        self._asleep = False
 
     def close(self) -> None:
         """Drop the model; the engine cannot be used afterwards."""

@@ -10,27 +10,38 @@ replays the calls below on CPU). What it relies on:
   tensor-parallel groups of ``tensor_parallel_size`` *consecutive* ranks. **Requirements**: the
   vLLM TP size equals the training TP size, Megatron's rank order keeps TP innermost (its
   default), and *every rank of a TP group calls* :meth:`VLLMEngine.generate` *with the same
-  prompts and the same* ``SamplingParams`` *(including the seed)*; ranks of different TP groups
-  (data-parallel replicas, pipeline stages) are independent engines and get different prompts.
+  prompts and the same* ``SamplingParams`` *(including the seed)*. Every TP group is its own
+  engine holding the whole model: data-parallel replicas get different prompts, while the
+  pipeline stages of one replica get the *same* prompts and seeds (the trainer picks prompts
+  per data-parallel rank) and generate them redundantly.
   ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps the engine core in-process (set unless present).
   vLLM re-seeds the process's ``random`` / numpy / torch RNGs while it starts; the engine saves
   and restores them around ``vllm.LLM(...)`` so building it leaves the trainer's RNGs as they were.
 * ``enable_sleep_mode=True`` with ``LLM.sleep(level=1)`` (weights to host, KV cache dropped)
-  and ``LLM.wake_up()``.
+  during the update, then ``LLM.wake_up(tags=["weights"])`` before the weight push and
+  ``LLM.wake_up(tags=["kv_cache"])`` after it (verl's and NeMo-RL's order: the KV cache is
+  not allocated while the push's buffers are).
 * ``LLM.apply_model(fn)``: runs ``fn(model)`` on the worker's model in this process; the model's
   ``load_weights(weights)`` takes the same ``(hf_name, full_tensor)`` stream the embedded engine
-  takes and shards it for TP itself. It returns the names it loaded, but vLLM checks nothing on
-  this path (a tensor missing from the stream would keep its dummy value): the engine compares
-  them with the model's parameters and raises naming the missing ones. ``LLM.reset_prefix_cache()``
-  afterwards (it must return True), so no KV block computed with the old weights is reused.
+  takes and shards it for TP itself. It returns the vLLM names it loaded and counts a fused
+  parameter (``qkv_proj``, ``gate_up_proj``) loaded once any shard arrived, so the stream is
+  checked per Hugging Face tensor on our side first (``expected``, :mod:`.weight_check`); the
+  engine then compares vLLM's names with the model's parameters. An unknown ``.weight`` name
+  makes vLLM raise ``KeyError`` (an unknown ``.bias`` is skipped), a wrong shape an
+  ``AssertionError``: both come back as a ``ValueError`` naming the tensor.
+  ``LLM.reset_prefix_cache()`` afterwards (it must return True), so no KV block computed with
+  the old weights is reused.
 * ``SamplingParams(n, temperature, top_p, top_k, max_tokens, seed, logprobs=0, stop_token_ids)``,
   one per prompt in one ``LLM.generate`` call, always with a seed (vLLM gives the ``n`` children
   ``seed + k``; an unseeded request would draw from the process-global numpy RNG, which the
-  trainer shares and which may differ between the ranks of a TP group). vLLM 0.33 rejects
-  ``temperature > 2`` and greedy with ``n > 1`` and silently raises ``0 < temperature < 0.01``
-  to 0.01: the engine rejects the first and third with its own message and serves greedy
-  ``n > 1`` as one request copied ``n`` times (greedy samples are identical anyway).
-  The engine is built with ``logprobs_mode="processed_logprobs"``: the sampled token's log-prob
+  trainer shares and which may differ between the ranks of a TP group); seeds are spread by a
+  hash (:func:`request_seeds`) so adjacent seeds do not share child seeds. vLLM 0.33 rejects
+  ``temperature > 2`` and greedy with ``n > 1`` with ``VLLMValidationError`` (which is *not* a
+  ``ValueError``) and silently raises ``0 < temperature < 0.01`` to 0.01: the engine turns
+  vLLM's error into a ``ValueError`` naming the setting, rejects the silent change itself, and
+  serves greedy ``n > 1`` as one request copied ``n`` times (greedy samples are identical).
+  The engine is built with ``logprobs_mode="processed_logprobs"`` and ``skip_tokenizer_init``
+  (token ids in and out; the model directory holds no tokenizer): the sampled token's log-prob
   comes after temperature scaling, like the trainer's. Caveat: vLLM's
   "processed" log-probs are taken *after* top-k/top-p truncation (renormalised over the kept
   tokens) while the embedded engine and the trainer use the untruncated distribution; with
@@ -56,6 +67,8 @@ from reco_megatron.rollout.base import (
 )
 from reco_megatron.rollout.sampling import call_seed
 from reco_megatron.rollout.vllm_requests import (
+    VLLM_MAX_TEMPERATURE,
+    VLLM_MIN_TEMPERATURE,
     completions_from_outputs,
     copy_greedy_samples,
     request_seeds,
@@ -96,6 +109,11 @@ class VLLMEngineConfig:
     enforce_eager: bool = False
     """Disable CUDA graphs (slower, less memory, easier debugging)."""
 
+    skip_tokenizer_init: bool = True
+    """Build no tokenizer: prompts go in as token ids and responses come back as ids. vLLM
+    otherwise loads one from ``model`` and fails when the directory has none (the trainer's
+    has only ``config.json``)."""
+
     enable_prefix_caching: bool = True
     """Reuse KV blocks of shared prompt prefixes (the G copies of a prompt); reset on every
     weight update."""
@@ -129,6 +147,7 @@ class VLLMEngineConfig:
             "seed": self.seed,
             "enforce_eager": self.enforce_eager,
             "enable_prefix_caching": self.enable_prefix_caching,
+            "skip_tokenizer_init": self.skip_tokenizer_init,
             "distributed_executor_backend": "external_launcher",
             "enable_sleep_mode": True,
             "logprobs_mode": "processed_logprobs",
@@ -202,6 +221,7 @@ class VLLMEngine(RolloutEngine):
             ) from err
         self.config = config
         self._vllm = vllm
+        self._validation_error = _vllm_validation_error()
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         _export_launcher_env()
         with _preserved_rng_states():  # vLLM re-seeds the global RNGs while it starts
@@ -211,7 +231,7 @@ class VLLMEngine(RolloutEngine):
         self._max_model_len = int(model_config.max_model_len)
         self._warned_truncation = False
         self._weights_loaded = config.load_format != "dummy"
-        self._asleep = False
+        self._weights_asleep = self._kv_asleep = False
         self._seed = config.seed
         self._calls = 0
 
@@ -228,7 +248,8 @@ class VLLMEngine(RolloutEngine):
     ) -> list[list[Completion]]:
         """One batched ``LLM.generate`` with one ``vllm.SamplingParams`` per prompt (per-request
         seeds, :func:`request_seeds`). Every rank of the TP group must call this with identical
-        arguments."""
+        arguments. Settings vLLM rejects (``VLLMValidationError``) raise :class:`ValueError`
+        naming the setting."""
         params = self._admit(prompt_token_ids, n, sampling)
         truncated = [p for p in params if p.top_p < 1.0 or p.top_k > 0]
         if truncated and not self._warned_truncation:
@@ -240,30 +261,50 @@ class VLLMEngine(RolloutEngine):
                 truncated[0].top_k,
             )
             self._warned_truncation = True
-        # Unseeded prompts get the call's derived seed (request_seeds makes repeats distinct).
+        # Unseeded prompts get the call's derived seed (request_seeds spreads all seeds).
         default = call_seed(self._seed, self._calls)
         self._calls += 1
         params = [p if p.seed is not None else replace(p, seed=default) for p in params]
         seeds = request_seeds(params)
         # vLLM rejects greedy with n > 1: ask once, copy (greedy samples are identical).
         counts = [1 if p.greedy else n for p in params]
-        vllm_params = [
-            self._vllm.SamplingParams(**vllm_sampling_kwargs(count, replace(p, seed=seed)))
+        prompts = [{"prompt_token_ids": list(p)} for p in prompt_token_ids]
+        kwargs = [
+            vllm_sampling_kwargs(count, replace(p, seed=seed))
             for p, seed, count in zip(params, seeds, counts, strict=True)
         ]
-        prompts = [{"prompt_token_ids": list(p)} for p in prompt_token_ids]
-        outputs = self.llm.generate(prompts, vllm_params, use_tqdm=False)
+        try:
+            vllm_params = [self._vllm.SamplingParams(**kw) for kw in kwargs]
+            outputs = self.llm.generate(prompts, vllm_params, use_tqdm=False)
+        except self._validation_error as err:
+            raise ValueError(
+                f"vLLM rejected the sampling settings ({type(err).__name__}: {err}); sent "
+                f"temperature={params[0].temperature}, top_p={params[0].top_p}, "
+                f"top_k={params[0].top_k}, max_new_tokens={params[0].max_new_tokens}. Fix "
+                "the rollout settings (rollout.temperature must be in "
+                f"[{VLLM_MIN_TEMPERATURE}, {VLLM_MAX_TEMPERATURE}] for vLLM)"
+            ) from err
         return copy_greedy_samples(completions_from_outputs(outputs, counts), n)
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def _load_weights(self, stream: Iterator[tuple[str, torch.Tensor]]) -> None:
         """Push HF-named full tensors through the model's own ``load_weights`` (TP-sharding
-        included), then drop cached prefixes computed with the old weights."""
-        if self._asleep:
-            raise RuntimeError(
-                "wake() the engine before update_weights(): level-1 sleep keeps weights on the host"
-            )
-        self._weights_loaded = False
-        missing = self.llm.apply_model(lambda model: _load_and_list_missing(model, named_tensors))
+        included); raise naming the tensor vLLM failed on, or the parameters it never filled."""
+        last: list[str | None] = [None]
+
+        def tracked() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in stream:
+                last[0] = name
+                yield name, tensor
+
+        try:
+            missing = self.llm.apply_model(lambda model: _load_and_list_missing(model, tracked()))
+        except (KeyError, AssertionError, ValueError) as err:
+            raise ValueError(
+                f"vLLM's load_weights failed on tensor {last[0]!r} ({type(err).__name__}: "
+                f"{err}): a name the vLLM model does not have (KeyError) or a shape it does not "
+                "expect (AssertionError). The converter and the rollout model disagree; the "
+                "engine refuses to generate until a complete update succeeds."
+            ) from err
         missing = sorted({name for per_worker in missing for name in per_worker})
         if missing:
             raise ValueError(
@@ -272,24 +313,22 @@ class VLLMEngine(RolloutEngine):
                 "of the Hugging Face checkpoint (see reco_megatron.megatron.hf.checkpoint); the "
                 "engine refuses to generate until a complete update succeeds."
             )
+
+    def _after_weights_loaded(self) -> None:
+        """Drop cached prefixes computed with the old weights."""
         if self.llm.reset_prefix_cache() is False:
             raise RuntimeError(
                 "vLLM could not reset its prefix cache after the weight update (requests still "
                 "running?); cached KV blocks of the old weights would be reused"
             )
-        self._weights_loaded = True
 
-    def sleep(self) -> None:
+    def _release_memory(self) -> None:
         """Level-1 sleep: weights to host memory, KV cache freed."""
-        if not self._asleep:
-            self.llm.sleep(level=1)
-            self._asleep = True
+        self.llm.sleep(level=1)
 
-    def wake(self) -> None:
-        """Weights back on the GPU and the KV cache re-allocated."""
-        if self._asleep:
-            self.llm.wake_up()
-            self._asleep = False
+    def _restore_memory(self, tag: str) -> None:
+        """``wake_up(tags=[tag])``: ``"weights"`` before the push, ``"kv_cache"`` after it."""
+        self.llm.wake_up(tags=[tag])
 
     def close(self) -> None:
         """Shut the in-process engine core down and drop the ``LLM`` object."""
@@ -311,6 +350,16 @@ class VLLMEngine(RolloutEngine):
         if not isinstance(seed, int) or not isinstance(calls, int) or calls < 0:
             raise ValueError(f"bad sampler state {dict(state)!r}: seed int, call_index int >= 0")
         self._seed, self._calls = seed, calls
+
+
+def _vllm_validation_error() -> type[Exception]:
+    """vLLM's request-validation error class: ``vllm.exceptions.VLLMValidationError`` (0.33:
+    a ``VLLMClientError``, not a ``ValueError``); ``ValueError`` where it does not exist."""
+    try:
+        from vllm.exceptions import VLLMValidationError
+    except ImportError:  # older vLLM raised plain ValueError
+        return ValueError
+    return VLLMValidationError
 
 
 def _load_and_list_missing(

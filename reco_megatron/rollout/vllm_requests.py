@@ -15,7 +15,8 @@ from reco_megatron.rollout.base import Completion, SamplingParams
 from reco_megatron.rollout.sampling import call_seed
 
 VLLM_MAX_TEMPERATURE = 2.0
-"""vLLM 0.33 raises for larger temperatures (``SamplingParams._verify_args``)."""
+"""vLLM 0.33 rejects larger temperatures (``SamplingParams._verify_args`` raises
+``VLLMValidationError``; the engine turns it into a ``ValueError`` naming the setting)."""
 
 VLLM_MIN_TEMPERATURE = 0.01
 """vLLM 0.33 raises smaller positive temperatures to this value without a word."""
@@ -26,14 +27,11 @@ def vllm_sampling_kwargs(n: int, sampling: SamplingParams) -> dict[str, Any]:
 
     ``logprobs=0`` returns only the sampled token's log-prob; ``top_k=0`` disables top-k (vLLM
     0.33's documented "off", as ours); ``detokenize=False`` because the trainer works on token
-    ids. Raises :class:`ValueError` for temperatures vLLM 0.33 rejects or silently changes.
+    ids. Raises :class:`ValueError` for a positive temperature below
+    :data:`VLLM_MIN_TEMPERATURE`, which vLLM would silently change (the log-probs would be of
+    another temperature); what vLLM rejects itself it reports (see ``VLLMEngine.generate``).
     """
     t = float(sampling.temperature)
-    if t > VLLM_MAX_TEMPERATURE:
-        raise ValueError(
-            f"temperature {t} > {VLLM_MAX_TEMPERATURE}: vLLM rejects it; use a temperature in "
-            f"[{VLLM_MIN_TEMPERATURE}, {VLLM_MAX_TEMPERATURE}] (or 0 for greedy)"
-        )
     if 0.0 < t < VLLM_MIN_TEMPERATURE:
         raise ValueError(
             f"temperature {t} is below {VLLM_MIN_TEMPERATURE}: vLLM would silently sample at "
@@ -54,14 +52,16 @@ def vllm_sampling_kwargs(n: int, sampling: SamplingParams) -> dict[str, Any]:
 
 
 def request_seeds(params: Sequence[SamplingParams]) -> list[int | None]:
-    """The seed each prompt's request carries: its own, except that a seed already used by an
-    earlier prompt of the call becomes ``call_seed(seed, k)`` for its ``k``-th repeat.
+    """The seed each prompt's request carries: ``call_seed(seed, k)`` for the ``k``-th prompt
+    of the call that uses ``seed`` (``k = 0`` for the first).
 
-    vLLM gives every request a generator seeded with its ``seed`` (and the ``n`` children of a
-    request distinct derived seeds), so one ``SamplingParams(seed=s)`` shared by all prompts
-    would hand every prompt the same random numbers; the embedded engine instead continues one
-    stream. Either way no two prompts of a call share noise. ``None`` stays ``None`` (vLLM's
-    engine RNG).
+    vLLM gives every request a generator seeded with its ``seed`` and child ``j`` of a request
+    with ``n`` samples ``seed + j`` (``v1/engine/parallel_sampling.py``). Sent as is, prompts
+    seeded ``s`` and ``s + 1`` would share child seeds (child 1 of the first = child 0 of the
+    second: identical noise); a seed repeated across prompts would repeat all of them. Hashing
+    every seed spreads the requests over 63-bit values, so no two prompts share noise whatever
+    seeds the caller chose (the embedded engine instead continues one stream per seed).
+    ``None`` stays ``None`` (vLLM's engine RNG).
     """
     seen: dict[int, int] = {}
     seeds: list[int | None] = []
@@ -71,7 +71,7 @@ def request_seeds(params: Sequence[SamplingParams]) -> list[int | None]:
             continue
         repeat = seen.get(p.seed, 0)
         seen[p.seed] = repeat + 1
-        seeds.append(p.seed if repeat == 0 else call_seed(p.seed, repeat))
+        seeds.append(call_seed(p.seed, repeat))
     return seeds
 
 

@@ -19,6 +19,7 @@ from reco_megatron.megatron.engine import UpdateConfig
 from reco_megatron.megatron.model import ModelConfig
 from reco_megatron.megatron.optimizer import OptimConfig
 from reco_megatron.rewards.pool import RewardPoolConfig
+from reco_megatron.rollout.vllm_requests import VLLM_MAX_TEMPERATURE, VLLM_MIN_TEMPERATURE
 from reco_megatron.trainer.guards import StabilityConfig
 
 
@@ -54,6 +55,14 @@ class RolloutConfig:
             )
         if not 0 < self.top_p <= 1:
             raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
+        if self.engine == "vllm" and not (
+            VLLM_MIN_TEMPERATURE <= self.temperature <= VLLM_MAX_TEMPERATURE
+        ):
+            raise ValueError(
+                f"rollout.temperature={self.temperature} with rollout.engine=vllm: vLLM takes "
+                f"temperatures in [{VLLM_MIN_TEMPERATURE}, {VLLM_MAX_TEMPERATURE}] (it rejects "
+                "larger ones and silently raises smaller ones); pick one in that range"
+            )
 
 
 @dataclass(kw_only=True)

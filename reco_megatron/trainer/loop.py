@@ -206,6 +206,7 @@ class Trainer:
         batch = build_rollout_batch(
             prompts, responses, logprobs, advantages, g, self.tokenizer.pad_id
         )
+        self.rollout.sleep()  # vLLM frees its memory for the update; sync_weights wakes it
         prepared, prep = self.engine.prepare(batch)
         times["time_old_logprob"] = prep.pop("time_old_logprob", float("nan"))
         t0 = time.perf_counter()

@@ -3,12 +3,19 @@
 The policy's weights travel as Hugging Face ``(name, tensor)`` pairs
 (:func:`reco_megatron.megatron.hf.converter.policy_hf_weights`): what vLLM's
 ``load_weights`` and the embedded transformers engine both take. Every rank holds a rollout
-engine for its data-parallel replica, so every rank receives every tensor.
+engine for its data-parallel replica, so every rank receives every tensor; each push is checked
+per tensor against ``hf_shapes(model)`` (every name the converter must emit, for any TP/PP
+layout, since the stream carries all stages) before the engine sees it.
+
+One step with a colocated engine: ``generate`` -> :meth:`RolloutClient.sleep` (vLLM level 1:
+weights to host, KV cache freed) -> old-logprob pass and optimizer steps ->
+:func:`sync_weights` (:meth:`RolloutClient.refit`: wake the weights, push them verified, reset
+the prefix cache, wake the KV cache).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -18,17 +25,28 @@ import torch.distributed as dist
 
 from reco_megatron.megatron.device import compute_device
 from reco_megatron.megatron.hf.config import hf_config_from_model_config
+from reco_megatron.megatron.hf.convert import hf_shapes
 from reco_megatron.megatron.hf.converter import policy_hf_weights
 from reco_megatron.megatron.model import ModelConfig
 from reco_megatron.rollout.base import Completion, RolloutEngine, SamplingParams
+from reco_megatron.utils.logging import get_logger
+
+logger = get_logger(__name__)
 
 
 class RolloutClient:
-    """The trainer's handle on a :class:`RolloutEngine` with the run's sampling settings."""
+    """The trainer's handle on a :class:`RolloutEngine` with the run's sampling settings and
+    the weight names and shapes every push must carry (``None``: the engine's checks only)."""
 
-    def __init__(self, engine: RolloutEngine, sampling: SamplingParams) -> None:
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        sampling: SamplingParams,
+        expected_weights: Mapping[str, tuple[int, ...]] | None = None,
+    ) -> None:
         self.engine = engine
         self.sampling = sampling
+        self.expected_weights = expected_weights
 
     def generate_seeded(
         self, prompts: list[list[int]], n: int, seeds: list[int]
@@ -46,8 +64,17 @@ class RolloutClient:
         params = [replace(self.sampling, seed=seed) for seed in seeds]
         return self.engine.generate(prompts, n, params)
 
-    def update_weights(self, named: Iterator[tuple[str, torch.Tensor]]) -> None:
-        self.engine.update_weights(named)
+    def sleep(self) -> None:
+        """Free the engine's device memory for the update (vLLM: ``sleep(level=1)``)."""
+        self.engine.sleep()
+
+    def refit(self, named: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """Wake the weights, push ``named`` verified per tensor (the engine then resets its
+        prefix cache), wake the KV cache: the KV cache is never allocated while the push's
+        buffers are. Works on an awake engine too (the wakes are no-ops)."""
+        self.engine.wake_weights()
+        self.engine.update_weights(named, expected=self.expected_weights)
+        self.engine.wake_kv_cache()
 
     def state_dict(self) -> dict[str, Any]:
         state = getattr(self.engine, "state_dict", None)
@@ -77,6 +104,7 @@ def build_rollout_engine(
         max_new_tokens=r.max_new_tokens,
         stop_token_ids=eos,
     )
+    expected = {name: tuple(shape) for name, shape in hf_shapes(cfg.model).items()}
     hf_config = hf_config_from_model_config(cfg.model)
     hf_config["eos_token_id"] = tokenizer.eos_id
     hf_config["pad_token_id"] = tokenizer.pad_id
@@ -94,6 +122,7 @@ def build_rollout_engine(
     else:
         from reco_megatron.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
 
+        warn_if_colocation_overflows(cfg)
         model_dir = write_rollout_model_dir(cfg, hf_config)
         dtype = cfg.model.params_dtype
         engine = VLLMEngine(
@@ -105,10 +134,40 @@ def build_rollout_engine(
                 dtype="float32" if dtype == "float32" else dtype,
                 load_format="dummy",  # the weights come from update_weights
                 seed=cfg.trainer.seed,
-                extra_llm_kwargs={"skip_tokenizer_init": True},  # we pass token ids
+                skip_tokenizer_init=True,  # we pass token ids; the model dir has no tokenizer
             )
         )
-    return RolloutClient(engine, sampling)
+    return RolloutClient(engine, sampling, expected)
+
+
+def warn_if_colocation_overflows(cfg: Any) -> list[str]:
+    """Log a warning per phase of the step whose estimated peak exceeds this GPU
+    (:mod:`reco_megatron.trainer.memory`); returns the messages (none without CUDA)."""
+    if not torch.cuda.is_available():
+        return []
+    from reco_megatron.trainer.memory import colocation_budget, colocation_warnings
+
+    par = cfg.parallel
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    model_parallel = (
+        par.tensor_model_parallel_size
+        * par.pipeline_model_parallel_size
+        * par.context_parallel_size
+    )
+    budget = colocation_budget(
+        cfg.model,
+        par,
+        data_parallel_size=max(1, world // model_parallel),
+        max_seq_len=cfg.rollout.max_prompt_len + cfg.rollout.max_new_tokens,
+        gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+        gpu_bytes=torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory,
+        distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
+        reference_model=cfg.loss.kl_coef > 0,
+    )
+    messages = colocation_warnings(budget)
+    for message in messages:
+        logger.warning("vLLM colocation: %s", message)
+    return messages
 
 
 def write_rollout_model_dir(cfg: Any, hf_config: dict[str, Any]) -> Path:
@@ -130,8 +189,10 @@ def write_rollout_model_dir(cfg: Any, hf_config: dict[str, Any]) -> Path:
 def sync_weights(
     engine: Any, rollout: RolloutClient, model_cfg: ModelConfig, converter: str = "builtin"
 ) -> None:
-    """Stream the current policy into the rollout engine (collective).
+    """Stream the current policy into the rollout engine (collective): wake its weights, push
+    them checked per tensor, reset its prefix cache, wake its KV cache
+    (:meth:`RolloutClient.refit`; the engine may be asleep or awake).
 
     ``converter`` is the resolved ``checkpoint.hf_converter``
     (:func:`reco_megatron.megatron.hf.converter.choose_converter`)."""
-    rollout.update_weights(policy_hf_weights(engine.unwrapped(), model_cfg, converter))
+    rollout.refit(policy_hf_weights(engine.unwrapped(), model_cfg, converter))

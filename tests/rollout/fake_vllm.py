@@ -1,26 +1,45 @@
 """A CPU stand-in for the slice of vLLM 0.33's public API that ``VLLMEngine`` calls.
 
 vLLM cannot run here (no GPU), so this module replays, on CPU, the behaviours of vLLM 0.33.0
-that the adapter has to cope with, each read from the 0.33.0 source (paths relative to the
-``vllm`` package):
+that the adapter has to cope with, including where vLLM *fails*; each was read from the vLLM
+sources (paths relative to the ``vllm`` package):
 
 * ``LLM(**kwargs)`` accepts only known engine arguments (``EngineArgs`` is a dataclass: an
   unknown key is a ``TypeError``), needs ``RANK`` and ``LOCAL_RANK`` under
-  ``external_launcher`` (``v1/executor/uniproc_executor.py:186-197``), reads ``config.json``
-  (``architectures`` required; ``max_model_len <= max_position_embeddings``), and re-seeds the
-  process's ``random`` / numpy / torch RNGs (``utils/torch_utils.py:528-539``).
-* ``SamplingParams`` rejects ``temperature > 2`` and greedy with ``n > 1`` and raises a
-  positive temperature below 0.01 to 0.01 (``sampling_params.py:560-568, 668-673, 770-773``).
-* ``apply_model(fn)`` returns ``[fn(model)]`` (one worker per process); the model keeps vLLM's
-  fused ``qkv_proj`` / ``gate_up_proj`` parameters, and ``load_weights(weights)`` stacks the HF
-  names into them, skips ``rotary_emb.inv_freq`` and a tied ``lm_head.weight``, returns the
-  vLLM names it loaded and checks nothing (``model_executor/models/utils.py:451-502``).
-* ``generate`` takes one ``SamplingParams`` per prompt; the ``n`` children of a seeded request
-  use ``seed + k`` (``v1/engine/parallel_sampling.py``); ``logprobs=0`` gives one
-  ``{token_id: Logprob}`` per sampled token.
+  ``external_launcher`` (``v1/executor/uniproc_executor.py``), reads ``config.json``
+  (``architectures`` required; ``max_model_len <= max_position_embeddings``), loads a
+  tokenizer from the model directory unless ``skip_tokenizer_init=True`` (an ``OSError`` when
+  the directory has none, as ``transformers.AutoTokenizer`` raises), and re-seeds the process's
+  ``random`` / torch RNGs (``utils/torch_utils.py``).
+* ``SamplingParams`` raises ``VLLMValidationError`` -- a ``VLLMClientError``, *not* a
+  ``ValueError`` (``exceptions.py``) -- for ``temperature > 2``, greedy with ``n > 1``,
+  ``top_p`` outside (0, 1], ``top_k < -1`` and ``max_tokens < 1``, and raises a positive
+  temperature below 0.01 to 0.01 without a word (``sampling_params.py``).
+* ``apply_model(fn)`` returns ``[fn(model)]`` (one worker per process). The model keeps vLLM's
+  fused ``qkv_proj`` / ``gate_up_proj`` parameters; ``load_weights`` stacks HF names into them
+  and returns the vLLM names it touched, counting a fused parameter as loaded once *any* shard
+  arrived (the blind spot our own stream check covers). An unknown ``model.*.weight`` name is a
+  ``KeyError`` (``params_dict[name]``), an unknown ``model.*.bias`` is skipped ("extra bias for
+  GPTQ models"), an unknown top-level prefix a ``ValueError`` (``AutoWeightsLoader``), a shape
+  mismatch an ``AssertionError`` naming only the sizes (``weight_loader``); it skips
+  ``rotary_emb.inv_freq`` and a tied ``lm_head.weight`` (``models/llama.py``,
+  ``models/utils.py``).
+* ``sleep(level=1)`` copies the weights to host memory and releases them and the KV cache;
+  ``wake_up(tags)`` brings back ``"weights"`` and/or ``"kv_cache"`` (``None``: both). Here the
+  parameters are really emptied while asleep: generating or loading into released memory fails
+  (on a GPU it reads unmapped memory) and :attr:`LLM.resident_at_load` records what was
+  allocated while weights were pushed.
+* ``generate`` takes token-id prompts (a text prompt with ``skip_tokenizer_init=True`` is a
+  ``ValueError``) and one ``SamplingParams`` per prompt; child ``j`` of a seeded request uses
+  ``seed + j`` (``v1/engine/parallel_sampling.py``); ``logprobs=None`` returns no log-probs,
+  ``logprobs=k`` one ``{token_id: Logprob}`` per token with the sampled token and the ``k``
+  most likely; with ``logprobs_mode="processed_logprobs"`` the values are
+  ``log_softmax`` of the temperature-scaled logits *after* top-k/top-p masking (greedy: of the
+  raw logits).
 
-Sampling itself is delegated to the embedded engine over the *unfused* weights, so a fused
-layout the loader got wrong changes the generations (the tests compare with teacher forcing).
+Sampling is delegated to the embedded engine over the *unfused* weights (so a fused layout the
+loader got wrong changes the generations); log-probs are then recomputed by one teacher-forced
+forward with vLLM's processing.
 """
 
 from __future__ import annotations
@@ -28,15 +47,17 @@ from __future__ import annotations
 import json
 import os
 import random
+import sys
 import types
 from pathlib import Path
 from types import SimpleNamespace
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from reco_megatron.rollout import EmbeddedEngine, EmbeddedEngineConfig
 from reco_megatron.rollout import SamplingParams as OurSamplingParams
+from reco_megatron.rollout.sampling import truncation_mask
 
 ENGINE_ARGS = {
     "model", "tensor_parallel_size", "max_model_len", "gpu_memory_utilization", "dtype",
@@ -46,6 +67,28 @@ ENGINE_ARGS = {
 }  # fmt: skip
 STACKED = {".q_proj": (".qkv_proj", 0), ".k_proj": (".qkv_proj", 1), ".v_proj": (".qkv_proj", 2),
            ".gate_proj": (".gate_up_proj", 0), ".up_proj": (".gate_up_proj", 1)}  # fmt: skip
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+KV_CACHE_NUMEL = 4096
+"""Size of the fake KV cache (fp32 elements): allocated awake, released asleep."""
+
+
+class VLLMError(Exception):
+    """``vllm.exceptions.VLLMError``."""
+
+
+class VLLMClientError(VLLMError):
+    """``vllm.exceptions.VLLMClientError``."""
+
+
+class VLLMValidationError(VLLMClientError):
+    """``vllm.exceptions.VLLMValidationError``: not a ``ValueError`` in 0.33."""
+
+    def __init__(self, message: str, *, parameter: str | None = None, value: Any = None):
+        super().__init__(message)
+        self.parameter, self.value = parameter, value
+
+    def __str__(self) -> str:
+        return f"{super().__str__()} (parameter={self.parameter}, value={self.value})"
 
 
 class SamplingParams:
@@ -56,13 +99,30 @@ class SamplingParams:
         unknown = set(kw) - set(self.FIELDS)
         if unknown:
             raise TypeError(f"SamplingParams got unexpected keyword arguments {sorted(unknown)}")
-        self.__dict__.update(kw)
-        if self.temperature > 2.0:
-            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
+        defaults = {"n": 1, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_tokens": 16,
+                    "seed": None, "stop_token_ids": [], "logprobs": None,
+                    "detokenize": True}  # fmt: skip
+        self.__dict__.update({**defaults, **kw})
+        checks = [
+            ("temperature", 0 <= self.temperature <= 2.0, "must be in [0, 2]"),
+            ("top_p", 0 < self.top_p <= 1.0, "must be in (0, 1]"),
+            ("top_k", self.top_k >= -1, "must be -1 (disable), 0 (disable) or at least 1"),
+            ("max_tokens", self.max_tokens >= 1, "must be at least 1"),
+        ]
+        for name, ok, rule in checks:
+            if not ok:
+                value = getattr(self, name)
+                raise VLLMValidationError(
+                    f"{name} {rule}, got {value}.", parameter=name, value=value
+                )
         if 0 < self.temperature < 0.01:
             self.temperature = 0.01  # vLLM does this silently
         if self.temperature == 0 and self.n > 1:
-            raise ValueError("n must be 1 when using greedy sampling")
+            raise VLLMValidationError(
+                f"n must be 1 when using greedy sampling, got {self.n}.",
+                parameter="n",
+                value=self.n,
+            )
 
 
 class FusedModel(torch.nn.Module):
@@ -71,18 +131,15 @@ class FusedModel(torch.nn.Module):
     def __init__(self, hf_state: dict[str, torch.Tensor], tied: bool) -> None:
         super().__init__()
         self.tied = tied
-        self.parts: dict[str, list[tuple[str, int]]] = {}  # fused name -> [(hf name, rows)]
-        shapes: dict[str, list[torch.Size]] = {}
+        self.parts: dict[str, list[tuple[str, torch.Size]]] = {}  # fused -> [(hf name, shape)]
         for name, tensor in hf_state.items():
             if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
                 continue
-            fused = _fused_name(name)
-            self.parts.setdefault(fused, []).append((name, tensor.shape[0]))
-            shapes.setdefault(fused, []).append(tensor.shape)
+            self.parts.setdefault(_fused_name(name), []).append((name, tensor.shape))
         self.store = torch.nn.ParameterDict()
-        for fused, parts in shapes.items():
-            rows = sum(s[0] for s in parts)
-            dummy = torch.randn(rows, *parts[0][1:])  # load_format="dummy": random values
+        for fused, parts in self.parts.items():
+            rows = sum(shape[0] for _, shape in parts)
+            dummy = torch.randn(rows, *parts[0][1][1:])  # load_format="dummy": random values
             self.store[fused.replace(".", "__")] = torch.nn.Parameter(dummy, requires_grad=False)
 
     def named_parameters(self, *args, **kwargs):
@@ -96,23 +153,38 @@ class FusedModel(torch.nn.Module):
                 continue
             fused = _fused_name(name)
             if fused not in self.parts:
-                continue  # vLLM ignores what it cannot place
-            offset = 0
-            for part, rows in self.parts[fused]:
+                if not name.startswith(("model.", "lm_head.")):
+                    raise ValueError(
+                        f"There is no module or parameter named '{name.split('.')[0]}' in "
+                        "LlamaForCausalLM"
+                    )
+                if name.endswith(".bias"):
+                    continue  # "Skip loading extra bias for GPTQ models."
+                raise KeyError(fused)  # params_dict[name]
+            param, offset = self.store[fused.replace(".", "__")], 0
+            for part, shape in self.parts[fused]:
                 if part == name:
-                    self.store[fused.replace(".", "__")][offset : offset + rows].copy_(tensor)
-                offset += rows
-            loaded.add(fused)
+                    target = param.data[offset : offset + shape[0]]
+                    assert target.shape == tensor.shape, (
+                        f"Attempted to load weight ({tensor.size()}) into parameter "
+                        f"({target.size()})"
+                    )
+                    target.copy_(tensor)
+                offset += shape[0]
+            loaded.add(fused)  # any one shard marks the fused parameter loaded
         return loaded
 
     def unfused(self) -> dict[str, torch.Tensor]:
         out = {}
         for fused, parts in self.parts.items():
             full, offset = self.store[fused.replace(".", "__")], 0
-            for name, rows in parts:
-                out[name] = full[offset : offset + rows].clone()
-                offset += rows
+            for name, shape in parts:
+                out[name] = full[offset : offset + shape[0]].clone()
+                offset += shape[0]
         return out
+
+    def nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.store.values())
 
 
 def _fused_name(hf_name: str) -> str:
@@ -136,17 +208,28 @@ class LLM:
         config = json.loads((Path(model) / "config.json").read_text())
         if not config.get("architectures"):
             raise ValueError("config.json has no 'architectures'")
+        self.skip_tokenizer_init = bool(kwargs.get("skip_tokenizer_init", False))
+        if not self.skip_tokenizer_init and not any(
+            (Path(model) / f).exists() for f in TOKENIZER_FILES
+        ):
+            raise OSError(
+                f"Can't load tokenizer for '{model}'. Make sure '{model}' is the correct path "
+                "to a directory containing all relevant files for a LlamaTokenizerFast tokenizer."
+            )
         max_len = kwargs.get("max_model_len") or config["max_position_embeddings"]
         if max_len > config["max_position_embeddings"]:
             raise ValueError(f"max_model_len {max_len} > max_position_embeddings")
         self.kwargs, self.config, self.calls = kwargs, config, []
-        self.asleep = False
+        self.processed = kwargs.get("logprobs_mode") == "processed_logprobs"
         seed = kwargs.get("seed", 0)
         random.seed(seed)
         torch.manual_seed(seed)
         self.hf = EmbeddedEngine(config, EmbeddedEngineConfig(max_model_len=max_len))
         tied = bool(config.get("tie_word_embeddings", False))
         self.model = FusedModel(self.hf.model.state_dict(), tied)
+        self.kv_cache: torch.Tensor | None = torch.zeros(KV_CACHE_NUMEL)
+        self.host_weights: dict[str, torch.Tensor] | None = None
+        self.resident_at_load: list[dict[str, int]] = []
         self.llm_engine = SimpleNamespace(
             model_config=SimpleNamespace(
                 get_vocab_size=lambda: config["vocab_size"], max_model_len=max_len
@@ -155,32 +238,72 @@ class LLM:
         )
         LLM.instances.append(self)
 
+    # ------------------------------------------------------------------ memory
+    def resident(self) -> dict[str, int]:
+        """Bytes held on the (pretend) device: weights and KV cache."""
+        weights = 0 if self.host_weights is not None else self.model.nbytes()
+        kv = 0 if self.kv_cache is None else self.kv_cache.numel() * 4
+        return {"weights": weights, "kv_cache": kv}
+
+    def sleep(self, level=1):
+        self.calls.append(f"sleep({level})")
+        if self.host_weights is None:
+            self.host_weights = {k: p.data.clone() for k, p in self.model.store.items()}
+            for p in self.model.store.values():
+                p.data = torch.empty(0)  # released: any use of the weights fails
+        self.kv_cache = None
+
+    def wake_up(self, tags=None):
+        self.calls.append(f"wake_up({','.join(tags) if tags else 'all'})")
+        tags = ["weights", "kv_cache"] if tags is None else tags
+        bad = set(tags) - {"weights", "kv_cache"}
+        if bad:
+            raise ValueError(f"unknown wake_up tags {sorted(bad)}")
+        if "weights" in tags and self.host_weights is not None:
+            for k, p in self.model.store.items():
+                p.data = self.host_weights[k]
+            self.host_weights = None
+        if "kv_cache" in tags and self.kv_cache is None:
+            self.kv_cache = torch.zeros(KV_CACHE_NUMEL)
+
+    # ------------------------------------------------------------------ weights
     def apply_model(self, fn):
         self.calls.append("apply_model")
+        if self.host_weights is not None:
+            raise RuntimeError(
+                "CUDA error: an illegal memory access was encountered (weights asleep)"
+            )
+        self.resident_at_load.append(self.resident())
         return [fn(self.model)]
 
     def reset_prefix_cache(self):
         self.calls.append("reset_prefix_cache")
         return LLM.reset_result
 
-    def sleep(self, level=1):
-        self.calls.append(f"sleep({level})")
-        self.asleep = True
-
-    def wake_up(self, tags=None):
-        self.calls.append("wake_up")
-        self.asleep = False
-        return True
-
+    # ------------------------------------------------------------------ generation
     def generate(self, prompts, sampling_params, *, use_tqdm=True):
-        assert not self.asleep, "generate while asleep"
+        if self.host_weights is not None or self.kv_cache is None:
+            raise RuntimeError(
+                "CUDA error: an illegal memory access was encountered (generate while asleep: "
+                f"{self.resident()})"
+            )
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params]
         params = params * len(prompts) if len(params) == 1 else params
         assert len(params) == len(prompts)
+        token_prompts = []
+        for prompt in prompts:
+            if isinstance(prompt, str) or "prompt_token_ids" not in prompt:
+                if self.skip_tokenizer_init:
+                    raise ValueError(
+                        "You cannot pass text prompts when `skip_tokenizer_init=True`. "
+                        "Pass token ids instead."
+                    )
+                raise NotImplementedError("the fake takes token-id prompts only")
+            token_prompts.append(list(prompt["prompt_token_ids"]))
         self.calls.append(("generate", [(p.n, p.seed, p.temperature) for p in params]))
         self.hf.update_weights(self.model.unfused().items())
         outputs = []
-        for prompt, p in zip(prompts, params, strict=True):
+        for prompt, p in zip(token_prompts, params, strict=True):
             samples = []
             for k in range(p.n):  # children of a seeded request use seed + k
                 ours = OurSamplingParams(
@@ -191,23 +314,75 @@ class LLM:
                     seed=None if p.seed is None else p.seed + k,
                     stop_token_ids=tuple(p.stop_token_ids),
                 )
-                c = self.hf.generate([prompt["prompt_token_ids"]], 1, ours)[0][0]
-                pairs = zip(c.token_ids, c.logprobs, strict=True)
-                steps = [{t: SimpleNamespace(logprob=lp)} for t, lp in pairs]
+                c = self.hf.generate([prompt], 1, ours)[0][0]
+                logprobs = None
+                if p.logprobs is not None:
+                    logprobs = self._logprobs(prompt, c.token_ids, p)
                 samples.append(
                     SimpleNamespace(
-                        token_ids=c.token_ids, logprobs=steps, finish_reason=c.finish_reason
+                        token_ids=c.token_ids, logprobs=logprobs, finish_reason=c.finish_reason
                     )
                 )
             outputs.append(SimpleNamespace(outputs=samples))
         return outputs
 
+    @torch.no_grad()
+    def _logprobs(self, prompt: list[int], tokens: list[int], p: SamplingParams) -> list[dict]:
+        """Per token ``{id: Logprob}``: the sampled token plus the ``p.logprobs`` most likely,
+        as vLLM's sampler computes them (processed: after temperature and top-k/top-p)."""
+        ids = torch.tensor([prompt + tokens])
+        logits = self.hf.model(input_ids=ids).logits[0].float()
+        logits = logits[len(prompt) - 1 : len(prompt) - 1 + len(tokens)]
+        if self.processed and p.temperature > 0:
+            scaled = logits / p.temperature
+            keep = truncation_mask(scaled, max(p.top_k, 0), p.top_p)
+            logp = torch.log_softmax(scaled.masked_fill(~keep, float("-inf")), dim=-1)
+        else:  # raw_logprobs, and greedy requests (no temperature, no truncation)
+            logp = torch.log_softmax(logits, dim=-1)
+        steps = []
+        for t, tok in enumerate(tokens):
+            top = torch.topk(logp[t], p.logprobs).indices.tolist() if p.logprobs > 0 else []
+            steps.append({i: SimpleNamespace(logprob=float(logp[t, i])) for i in [tok, *top]})
+        return steps
+
 
 def module() -> types.ModuleType:
-    """A fresh ``vllm`` module object to put in ``sys.modules``."""
+    """A fresh ``vllm`` module object (with ``vllm.exceptions``) to put in ``sys.modules``;
+    :func:`install` puts both there."""
     mod = types.ModuleType("vllm")
     mod.LLM = LLM
     mod.SamplingParams = SamplingParams
+    exceptions = types.ModuleType("vllm.exceptions")
+    exceptions.VLLMError = VLLMError
+    exceptions.VLLMClientError = VLLMClientError
+    exceptions.VLLMValidationError = VLLMValidationError
+    mod.exceptions = exceptions
     LLM.instances = []
     LLM.reset_result = True
     return mod
+
+
+def install(monkeypatch: Any = None) -> types.ModuleType:
+    """Put a fresh fake ``vllm`` and ``vllm.exceptions`` in ``sys.modules`` (undone by
+    ``monkeypatch`` when given)."""
+    mod = module()
+    for name, value in (("vllm", mod), ("vllm.exceptions", mod.exceptions)):
+        if monkeypatch is not None:
+            monkeypatch.setitem(sys.modules, name, value)
+        else:
+            sys.modules[name] = value
+    return mod
+
+
+def prepare(monkeypatch: Any, directory: Path) -> Path:
+    """What a test of the adapter needs: the fake installed, ``RANK`` / ``LOCAL_RANK`` set (as
+    torchrun does), and ``directory/config.json`` of the tiny Llama with ``architectures``
+    (the config-only model directory the trainer writes). Returns ``directory``."""
+    from tests.rollout._tiny import TINY_LLAMA
+
+    install(monkeypatch)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    config = {**TINY_LLAMA, "architectures": ["LlamaForCausalLM"]}
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory

@@ -132,10 +132,20 @@ def test_per_prompt_sampling_repeats_a_single_setting() -> None:
 def test_request_seeds_make_repeats_distinct() -> None:
     params = [SamplingParams(seed=s) for s in (5, 5, 6, 5)] + [SamplingParams()]
     seeds = request_seeds(params)
-    assert seeds[0] == 5 and seeds[2] == 6 and seeds[4] is None
-    assert len({seeds[0], seeds[1], seeds[3]}) == 3
+    assert seeds[4] is None
+    assert len({seeds[0], seeds[1], seeds[2], seeds[3]}) == 4
     assert request_seeds(params) == seeds  # deterministic
-    assert request_seeds([SamplingParams(seed=s) for s in SEEDS]) == SEEDS
+    assert request_seeds([SamplingParams(seed=5)]) == [seeds[0]]  # a prompt's seed alone
+
+
+def test_request_seeds_keep_vllm_child_seeds_apart() -> None:
+    """vLLM seeds child j of a request ``seed + j``: prompts seeded s, s + 1, ... (the natural
+    choice of a caller) must not share any child seed once spread."""
+    n = 16
+    seeds = request_seeds([SamplingParams(seed=s) for s in range(64)])
+    children = [seed + j for seed in seeds for j in range(n)]
+    assert len(set(children)) == len(children)
+    assert all(0 <= s < 2**63 for s in seeds)  # fits vLLM's / torch's generator seed
 
 
 class _CountingEngine:

@@ -8,28 +8,17 @@ pushed weights). The real engine runs only in the ``vllm``-marked test.
 
 from __future__ import annotations
 
-import json
 import random
-import sys
 
 import pytest
 import torch
 
 from reco_megatron.rollout import SamplingParams, VLLMEngine, VLLMEngineConfig
+from reco_megatron.rollout.vllm_requests import request_seeds
 from tests.rollout import fake_vllm
-from tests.rollout._tiny import TINY_LLAMA, teacher_forced_logprobs, tiny_model
+from tests.rollout._tiny import teacher_forced_logprobs, tiny_model
 
 PROMPTS = [[5, 6, 7], [1, 9, 10, 11], [4]]
-
-
-@pytest.fixture
-def fake(monkeypatch, tmp_path):
-    monkeypatch.setitem(sys.modules, "vllm", fake_vllm.module())
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    config = {**TINY_LLAMA, "architectures": ["LlamaForCausalLM"]}
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    return tmp_path
 
 
 def _engine(model_dir, **kw) -> VLLMEngine:
@@ -45,7 +34,8 @@ def test_generations_follow_the_pushed_weights(fake) -> None:
     params = [SamplingParams(max_new_tokens=8, seed=s) for s in (11, 12, 13)]
     results = engine.generate(PROMPTS, 3, params)
     llm = fake_vllm.LLM.instances[-1]
-    assert llm.calls[-1] == ("generate", [(3, 11, 1.0), (3, 12, 1.0), (3, 13, 1.0)])
+    sent = [(3, s, 1.0) for s in request_seeds(params)]  # spread seeds, see request_seeds
+    assert llm.calls[-1] == ("generate", sent)
     for i, group in enumerate(results):
         assert [c.sample_index for c in group] == [0, 1, 2]
         for comp in group:
@@ -110,7 +100,10 @@ def test_greedy_with_n_samples_asks_once_and_copies(fake) -> None:
 
 @pytest.mark.parametrize(
     ("temperature", "match"),
-    [(2.5, r"temperature 2.5 > 2.0: vLLM rejects it"), (0.005, r"below 0.01: vLLM would")],
+    [
+        (2.5, r"vLLM rejected the sampling settings \(VLLMValidationError: temperature must be"),
+        (0.005, r"below 0.01: vLLM would"),
+    ],
 )
 def test_temperatures_vllm_would_reject_or_change(fake, temperature, match) -> None:
     engine = _engine(fake)
@@ -123,7 +116,7 @@ def test_sleep_wake_close_and_prefix_cache(fake) -> None:
     engine = _engine(fake)
     llm = fake_vllm.LLM.instances[-1]
     engine.sleep()
-    with pytest.raises(RuntimeError, match="wake\\(\\) the engine"):
+    with pytest.raises(RuntimeError, match=r"wake_weights\(\) before update_weights"):
         engine.update_weights(tiny_model(seed=0).state_dict().items())
     engine.wake()
     fake_vllm.LLM.reset_result = False
@@ -131,7 +124,8 @@ def test_sleep_wake_close_and_prefix_cache(fake) -> None:
         engine.update_weights(tiny_model(seed=0).state_dict().items())
     engine.close()
     engine.close()  # idempotent
-    assert llm.calls[:2] == ["sleep(1)", "wake_up"] and llm.calls[-1] == "shutdown"
+    assert llm.calls[:3] == ["sleep(1)", "wake_up(weights)", "wake_up(kv_cache)"]
+    assert llm.calls[-1] == "shutdown"
 
 
 def test_launcher_env_is_taken_from_torch_distributed_or_named(fake, monkeypatch) -> None:
@@ -146,4 +140,4 @@ def test_launcher_env_is_taken_from_torch_distributed_or_named(fake, monkeypatch
 def test_engine_arguments_vllm_does_not_know_fail_at_build(fake) -> None:
     with pytest.raises(TypeError, match="swap_space"):
         _engine(fake, extra_llm_kwargs={"swap_space": 4})
-    _engine(fake, extra_llm_kwargs={"max_num_seqs": 8, "skip_tokenizer_init": True})
+    _engine(fake, extra_llm_kwargs={"max_num_seqs": 8})

@@ -1,18 +1,18 @@
 """The trainer's vLLM path on CPU: ``rollout.engine=vllm`` against ``tests/rollout/fake_vllm``.
 
 The fake replays vLLM 0.33's loading (HF names stacked into fused ``qkv_proj`` /
-``gate_up_proj`` parameters, unknown names ignored, completeness unchecked by vLLM itself) and
-samples with the weights its parameters received. So this run checks, without a GPU, that the
-trainer builds the engine the way vLLM 0.33 accepts (engine arguments, a config-only model
-directory with ``architectures``), that the Megatron export stream at TP 2 reaches every vLLM
-parameter, and that the log-probs coming back line up with the trainer's
-(``logprob_mismatch``, fp32 noise).
+``gate_up_proj`` parameters, unknown names raising, a fused parameter counted loaded from any
+shard), its sleep mode (released weights and KV cache that fail when used) and samples with the
+weights its parameters received. So this run checks, without a GPU, that the trainer builds the
+engine the way vLLM 0.33 accepts (engine arguments, a config-only model directory with
+``architectures``, no tokenizer), that it sleeps and wakes the engine in the right order, that
+the Megatron export stream at TP 2 carries every tensor ``hf_shapes`` expects exactly once, and
+that the log-probs coming back line up with the trainer's (``logprob_mismatch``, fp32 noise).
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -29,7 +29,7 @@ def _run(rank: int, world: int, out: str) -> dict:
 
     from tests.rollout import fake_vllm
 
-    sys.modules["vllm"] = fake_vllm.module()
+    fake_vllm.install()
     os.environ["LOCAL_RANK"] = str(rank)  # what torchrun sets; CPU has no device to take it from
     overrides = [
         *TINY_RUN,
@@ -42,7 +42,12 @@ def _run(rank: int, world: int, out: str) -> dict:
     code = main(["examples/tiny_cpu.yaml", *overrides])
     (llm,) = fake_vllm.LLM.instances
     calls = [c if isinstance(c, str) else c[0] for c in llm.calls]
-    return {"code": code, "kwargs": llm.kwargs, "calls": calls}
+    return {
+        "code": code,
+        "kwargs": llm.kwargs,
+        "calls": calls,
+        "resident_at_load": llm.resident_at_load,
+    }
 
 
 def test_trainer_drives_vllm_through_the_export_stream(tmp_path: Path) -> None:
@@ -59,10 +64,17 @@ def test_trainer_drives_vllm_through_the_export_stream(tmp_path: Path) -> None:
         assert kw["skip_tokenizer_init"] is True and kw["max_model_len"] == (
             cfg.rollout.max_prompt_len + cfg.rollout.max_new_tokens
         )
-        # initial sync + one per step; reset after every push; one batched generate per step
-        assert res["calls"].count("apply_model") == 3
-        assert res["calls"].count("reset_prefix_cache") == 3
-        assert res["calls"].count("generate") == 2
+        # The initial push into the freshly built (awake) engine, then per step: generate ->
+        # sleep during the old-logprob pass and update -> wake the weights -> push (checked
+        # per tensor) -> reset the prefix cache -> wake the KV cache. The fake raises if
+        # anything generates or loads while asleep, so the run itself checks that too.
+        step = [
+            "generate", "sleep(1)", "wake_up(weights)", "apply_model", "reset_prefix_cache",
+            "wake_up(kv_cache)",
+        ]  # fmt: skip
+        assert res["calls"] == ["apply_model", "reset_prefix_cache", *step, *step, "shutdown"]
+        # Every push ran without the KV cache, except the first (engine just built).
+        assert [r["kv_cache"] == 0 for r in res["resident_at_load"]] == [False, True, True]
     config = json.loads((tmp_path / "rollout_model" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

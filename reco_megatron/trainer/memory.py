@@ -1,0 +1,218 @@
+"""Per-GPU memory of one RL step with vLLM colocated: an estimate and a start-up check.
+
+Pure arithmetic on the model and parallel configs (tested on CPU with numbers); the trainer
+calls :func:`colocation_warnings` once when it builds a vLLM engine and logs what it returns.
+The phases of one step (``docs/rollout.md``, "Memory of one step"):
+
+* ``generate``: Megatron's resident state (weights, fp32 grad buffer, Adam shards; none of it is
+  offloaded) + vLLM awake (``gpu_memory_utilization`` x the GPU: its weights, KV cache, CUDA
+  graphs) + the CUDA context.
+* ``update``: the resident state + training activations + what a level-1-asleep vLLM keeps.
+* ``refit``: the resident state + vLLM's weights (woken without the KV cache) + the transfer
+  buffers of the largest tensor + the asleep residual.
+
+:attr:`ColocationBudget.update_if_awake` is the update without sleeping vLLM (the trainer
+before issue 15), for comparison.
+
+The activation term follows Korthikanti et al. (2022) for a SwiGLU/GQA layer with bf16
+activations, sequence parallelism, flash attention and no recomputation:
+``s * b * (10 h + 4 kv + 6 F) / (TP * CP)`` bytes per layer, plus fp32 logits and their
+gradient on the last stage. Two numbers are assumptions to confirm on the first GPU run
+(:data:`VLLM_OTHER_BYTES`, :data:`CONTEXT_BYTES`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from reco_megatron.megatron.distributed import ParallelConfig
+from reco_megatron.megatron.hf.convert import hf_shapes
+from reco_megatron.megatron.model import ModelConfig
+
+GIB = 2**30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+VLLM_OTHER_BYTES = 1 * GIB
+"""vLLM's memory besides weights and KV cache (activation workspace, sampler, CUDA graph
+pools): what level-1 sleep does not release (it frees only the ``weights`` and ``kv_cache``
+allocations). An assumption."""
+CONTEXT_BYTES = 2 * GIB
+"""CUDA context, NCCL buffers and allocator fragmentation per process: an assumption."""
+
+
+@dataclass(frozen=True)
+class ColocationBudget:
+    """Bytes per GPU of each resident item and of each phase of one step."""
+
+    gpu_bytes: int
+    vllm_awake: int
+    """``gpu_memory_utilization`` x ``gpu_bytes``: vLLM's whole footprint while awake."""
+    weights: int
+    grads: int
+    optimizer: int
+    reference: int
+    activations: int
+    vllm_weights: int
+    refit_buffers: int
+    kv_cache: int
+    """What is left of ``vllm_awake`` for the KV cache after vLLM's weights (<= 0: none)."""
+    kv_tokens: int
+    """Tokens the KV cache holds (per vLLM engine, i.e. per TP group)."""
+
+    @property
+    def resident(self) -> int:
+        """Megatron's state that stays on the GPU for the whole run."""
+        return self.weights + self.grads + self.optimizer + self.reference
+
+    @property
+    def update_if_awake(self) -> int:
+        """The update phase if vLLM stayed awake (no sleep): for comparison."""
+        return self.resident + self.activations + self.vllm_awake + CONTEXT_BYTES
+
+    @property
+    def phases(self) -> dict[str, int]:
+        """Peak bytes of each phase of one step."""
+        return {
+            "generate": self.resident + self.vllm_awake + CONTEXT_BYTES,
+            "update": self.resident + self.activations + VLLM_OTHER_BYTES + CONTEXT_BYTES,
+            "refit": self.resident
+            + self.vllm_weights
+            + self.refit_buffers
+            + VLLM_OTHER_BYTES
+            + CONTEXT_BYTES,
+        }
+
+
+def colocation_budget(
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    *,
+    data_parallel_size: int,
+    max_seq_len: int,
+    gpu_memory_utilization: float,
+    gpu_bytes: int,
+    distributed_optimizer: bool = True,
+    reference_model: bool = False,
+) -> ColocationBudget:
+    """The estimate for one rank (the first pipeline stage when it is the fuller one)."""
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    cp, mb = parallel.context_parallel_size, parallel.micro_batch_size
+    n = sum(math.prod(shape) for shape in hf_shapes(model).values())
+    p_bytes = DTYPE_BYTES[model.params_dtype]
+    shard = n / (tp * pp)
+    master = 0 if model.params_dtype == "float32" else 4  # fp32 copy of bf16 params
+    opt_shard = shard / data_parallel_size if distributed_optimizer else shard
+    h, f = model.hidden_size, model.ffn_hidden_size
+    kv = model.query_groups * model.head_dim
+    per_layer = max_seq_len * mb * (10 * h + 4 * kv + 6 * f) / (tp * cp)
+    vp = parallel.virtual_pipeline_model_parallel_size or 1
+    in_flight = model.num_layers * (1 + (pp - 1) / (pp * vp)) if pp > 1 else model.num_layers
+    logits = max_seq_len * mb * model.padded_vocab_size(tp) / (tp * cp) * (2 + 4 + 4)
+    last_stage = per_layer * model.num_layers / pp + logits
+    activations = max(per_layer * in_flight, last_stage)
+    largest = max(math.prod(shape) for shape in hf_shapes(model).values())
+    vllm_weights = n * p_bytes / tp
+    vllm_awake = gpu_memory_utilization * gpu_bytes
+    kv_cache = vllm_awake - vllm_weights - VLLM_OTHER_BYTES
+    kv_per_token = 2 * model.num_layers * (model.query_groups / tp) * model.head_dim * p_bytes
+    return ColocationBudget(
+        gpu_bytes=int(gpu_bytes),
+        vllm_awake=int(vllm_awake),
+        weights=int(shard * p_bytes),
+        grads=int(shard * 4),  # grad_reduce_in_fp32 (megatron/optimizer.py)
+        optimizer=int(opt_shard * (master + 8)),  # fp32 Adam m and v (+ master copy)
+        reference=int(shard * p_bytes) if reference_model else 0,
+        activations=int(activations),
+        vllm_weights=int(vllm_weights),
+        refit_buffers=int(3 * largest * p_bytes),  # TP parts, gathered tensor, PP broadcast
+        kv_cache=int(kv_cache),
+        kv_tokens=max(0, int(kv_cache // kv_per_token)),
+    )
+
+
+def colocation_warnings(budget: ColocationBudget) -> list[str]:
+    """One message per phase whose estimated peak exceeds the GPU, and one when vLLM's share
+    leaves no KV cache; empty when the estimate fits."""
+    out = []
+    for phase, need in budget.phases.items():
+        if need > budget.gpu_bytes:
+            out.append(
+                f"estimated {phase} peak {need / GIB:.1f} GiB > GPU {budget.gpu_bytes / GIB:.1f} "
+                f"GiB (Megatron resident {budget.resident / GIB:.1f} GiB, vLLM awake "
+                f"{budget.vllm_awake / GIB:.1f} GiB, activations {budget.activations / GIB:.1f} "
+                "GiB): lower rollout.gpu_memory_utilization, raise TP/PP or DP (Adam shards), "
+                "or shorten sequences"
+            )
+    if budget.kv_cache <= 0:
+        out.append(
+            f"vLLM's share {budget.vllm_awake / GIB:.1f} GiB does not hold its weights "
+            f"{budget.vllm_weights / GIB:.1f} GiB plus a KV cache: raise "
+            "rollout.gpu_memory_utilization or TP"
+        )
+    return out
+
+
+H100_80GB_BYTES = 81559 * 2**20
+"""An H100 80GB as ``nvidia-smi`` lists it (81559 MiB); the docs' tables use it."""
+
+EXAMPLES = (
+    ("8B (TP 2, DP 4)", "examples/llama3.1-8b-instruct.yaml", 4),
+    ("70B (TP 8, PP 4, DP 1)", "examples/llama3.1-70b.yaml", 1),
+    ("70B (TP 8, PP 4, DP 2)", "examples/llama3.1-70b.yaml", 2),
+)
+"""The examples whose step is tabulated in ``docs/rollout.md`` (label, config, DP size)."""
+
+
+def colocation_table(budgets: dict[str, ColocationBudget]) -> str:
+    """A markdown table (GiB per GPU) of the items and phases of each budget."""
+    rows = [
+        ("Megatron weights", lambda b: b.weights),
+        ("fp32 grad buffer", lambda b: b.grads),
+        ("Adam (fp32 master, m, v; DP-sharded)", lambda b: b.optimizer),
+        ("**resident all step**", lambda b: b.resident),
+        ("training activations (update only)", lambda b: b.activations),
+        ("vLLM awake (`gpu_memory_utilization` x GPU)", lambda b: b.vllm_awake),
+        ("  of which vLLM weights", lambda b: b.vllm_weights),
+        ("  of which KV cache", lambda b: b.kv_cache),
+        ("refit buffers (largest tensor x 3)", lambda b: b.refit_buffers),
+        ("**generate** peak", lambda b: b.phases["generate"]),
+        ("**update** peak (vLLM asleep)", lambda b: b.phases["update"]),
+        ("**refit** peak (weights awake, no KV)", lambda b: b.phases["refit"]),
+        ("update peak if vLLM stayed awake", lambda b: b.update_if_awake),
+        ("GPU", lambda b: b.gpu_bytes),
+    ]
+    labels = list(budgets)
+    lines = ["| GiB per GPU | " + " | ".join(labels) + " |", "|---" * (len(labels) + 1) + "|"]
+    for name, get in rows:
+        values = " | ".join(f"{get(budgets[label]) / GIB:.1f}" for label in labels)
+        lines.append(f"| {name} | {values} |")
+    tokens = " | ".join(f"{budgets[label].kv_tokens:,}" for label in labels)
+    lines.append(f"| KV cache tokens per engine | {tokens} |")
+    return "\n".join(lines)
+
+
+def example_budgets(gpu_bytes: int = H100_80GB_BYTES) -> dict[str, ColocationBudget]:
+    """:data:`EXAMPLES` as budgets (the configs are read from the repository root)."""
+    from reco_megatron.config import load_config
+    from reco_megatron.trainer.config import TrainConfig
+
+    out = {}
+    for label, path, dp in EXAMPLES:
+        cfg = load_config(TrainConfig, path, [])
+        out[label] = colocation_budget(
+            cfg.model,
+            cfg.parallel,
+            data_parallel_size=dp,
+            max_seq_len=cfg.rollout.max_prompt_len + cfg.rollout.max_new_tokens,
+            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+            gpu_bytes=gpu_bytes,
+            distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
+            reference_model=cfg.loss.kl_coef > 0,
+        )
+    return out
+
+
+if __name__ == "__main__":  # the table of docs/rollout.md: python -m reco_megatron.trainer.memory
+    import sys
+
+    sys.stdout.write(colocation_table(example_budgets()) + "\n")
