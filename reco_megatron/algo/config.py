@@ -32,6 +32,13 @@ def _choice(name: str, value: object, valid: tuple[str, ...]) -> None:
         raise ValueError(f"{name} must be one of {valid}, got {value!r}")
 
 
+def _optional_positive(name: str, value: object, hint: str) -> None:
+    if value is not None and not (
+        isinstance(value, int | float) and math.isfinite(value) and value > 0
+    ):
+        raise ValueError(f"{name} must be a finite number > 0 or None, got {value!r} ({hint})")
+
+
 @dataclass(kw_only=True)
 class LossConfig:
     """Configuration of :func:`reco_megatron.algo.policy_loss` and its helpers.
@@ -133,15 +140,7 @@ class LossConfig:
     disables it; 2.0 is the value of the TIS paper. Needs ``rollout_logp=``."""
 
     def __post_init__(self) -> None:
-        if self.tis_cap is not None and not (
-            isinstance(self.tis_cap, int | float)
-            and math.isfinite(self.tis_cap)
-            and self.tis_cap > 0
-        ):
-            raise ValueError(
-                f"tis_cap must be a finite number > 0 or None, got {self.tis_cap!r} "
-                "(2.0 is the TIS paper's value)"
-            )
+        _optional_positive("tis_cap", self.tis_cap, "2.0 is the TIS paper's value")
         _choice("objective", self.objective, OBJECTIVES)
         _choice("advantage_mode", self.advantage_mode, ADVANTAGE_MODES)
         _choice("response_weight", self.response_weight, WEIGHT_MODES)
@@ -181,15 +180,11 @@ class LossConfig:
             raise ValueError(f"geometric_w_max must be >= 1, got {self.geometric_w_max}")
         if not (self.kl_coef >= 0.0 and math.isfinite(self.kl_coef)):
             raise ValueError(f"kl_coef must be finite and >= 0, got {self.kl_coef}")
-        if self.kl_clamp is not None and not (
-            isinstance(self.kl_clamp, int | float)
-            and math.isfinite(self.kl_clamp)
-            and self.kl_clamp > 0
-        ):
-            raise ValueError(
-                f"kl_clamp must be a finite number > 0 or None, got {self.kl_clamp!r} "
-                "(10.0 matches verl and NeMo-RL; None keeps the KL estimate exact)"
-            )
+        _optional_positive(
+            "kl_clamp",
+            self.kl_clamp,
+            "10.0 matches verl and NeMo-RL; None keeps the KL estimate exact",
+        )
         if not (self.entropy_coef >= 0.0 and math.isfinite(self.entropy_coef)):
             raise ValueError(f"entropy_coef must be finite and >= 0, got {self.entropy_coef}")
         if self.objective != "reco" and self.token_ratio != "importance":
