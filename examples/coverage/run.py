@@ -19,6 +19,14 @@ Steps (each a subprocess of the shipped entry points, so this is also an end-to-
    per-problem sampling seeds for everyone.
 4. ``docs/results/coverage.md`` (``--results``): the table (mean +- std over seeds), the plot
    (mean, min-max band) and the raw numbers in ``<out>/eval/passk.json``.
+
+Resumable at every stage: run the same command again after an interruption. The SFT base is
+skipped once its checkpoint exists; an RL run saves every ``--save-every`` steps and the
+trainer resumes from its latest checkpoint (it is skipped once its final step is saved); each
+checkpoint is evaluated on its own (``<out>/eval/parts/<protocol>/<label>-<step>/passk.json``) and
+skipped when that file exists for the same protocol and checkpoint step;
+``<out>/eval/passk.json`` is merged from the parts. A larger ``--rl-steps`` on an existing
+``--out`` continues every RL run from its last checkpoint and evaluates the new ones.
 """
 
 from __future__ import annotations
@@ -173,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--eval-interval", type=int, default=0, help="coverage eval during RL")
+    p.add_argument("--save-every", type=int, default=10, help="RL checkpoint interval (resume)")
     p.add_argument("--jobs", type=int, default=1, help="RL runs in parallel")
     p.add_argument("--smoke", action="store_true", help="1 seed, tiny budget (CI)")
     args = p.parse_args(argv)
@@ -197,8 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     def rl(job: tuple[str, int]) -> float:
         method, seed = job
         run_dir = out / "runs" / f"{method}-s{seed}"
-        if (run_dir / "checkpoints" / "latest").exists():
-            return 0.0
+        if (run_dir / "checkpoints" / f"step_{args.rl_steps:08d}").exists():
+            return 0.0  # finished; a partial run resumes from its latest checkpoint instead
         overrides = [
             f"checkpoint.init_megatron={base / 'checkpoints'}",
             "sft.steps=0",
@@ -208,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
             f"trainer.max_steps={args.rl_steps}",
             f"rollout.prompts_per_step={args.prompts_per_step}",
             f"optimizer.lr={args.lr}",
-            "checkpoint.save_interval=0",
+            f"checkpoint.save_interval={args.save_every}",
             f"eval.interval={args.eval_interval}",
             f"eval.n={min(args.n, 8)}",
             f"eval.num_prompts={min(args.eval_prompts, 8)}",
@@ -224,21 +233,32 @@ def main(argv: list[str] | None = None) -> int:
     if any(t > 0 for t in ran):
         timings["RL"] = time.perf_counter() - start
 
-    ckpts = [f"base={base / 'checkpoints'}"] + [
-        f"{m}/s{s}={out / 'runs' / f'{m}-s{s}' / 'checkpoints'}" for m, s in jobs
+    ckpts = [("base", base / "checkpoints")] + [
+        (f"{m}/s{s}", out / "runs" / f"{m}-s{s}" / "checkpoints") for m, s in jobs
     ]
-    eval_cmd = [
-        sys.executable, "-m", "reco_megatron.evaluate", *ckpts,
-        "--data", str(data / "eval.jsonl"), "--tokenizer", "examples/tiny/countdown_sp.model",
-        "--reward", "countdown", "--reward-workers", "1", "--n", str(args.n),
-        "--kmax", str(args.kmax), "--limit", str(args.eval_prompts),
-        "--temperature", str(args.temperature), "--top-p", str(args.top_p),
-        "--max-new-tokens", "24", "--out", str(out / "eval"), "--no-progress",
-    ]  # fmt: skip
-    timings["evaluation"] = _run(eval_cmd, out / "logs" / "eval.log", threads * args.jobs)
+    protocol = f"n{args.n}-k{args.kmax}-p{args.eval_prompts}-t{args.temperature}-tp{args.top_p}"
+    entries = []
+    for label, ckpt in ckpts:
+        step = (ckpt / "latest").read_text().strip()  # a longer --rl-steps re-evaluates
+        part = out / "eval" / "parts" / protocol / f"{label.replace('/', '-')}-{step}"
+        if not (part / "passk.json").exists():
+            eval_cmd = [
+                sys.executable, "-m", "reco_megatron.evaluate", f"{label}={ckpt}",
+                "--data", str(data / "eval.jsonl"),
+                "--tokenizer", "examples/tiny/countdown_sp.model",
+                "--reward", "countdown", "--reward-workers", "1", "--n", str(args.n),
+                "--kmax", str(args.kmax), "--limit", str(args.eval_prompts),
+                "--temperature", str(args.temperature), "--top-p", str(args.top_p),
+                "--max-new-tokens", "24", "--out", str(part), "--no-progress",
+            ]  # fmt: skip
+            log = out / "logs" / f"eval-{label.replace('/', '-')}.log"
+            took = _run(eval_cmd, log, threads * args.jobs)
+            timings["evaluation"] = timings.get("evaluation", 0.0) + took
+            timings_file.write_text(json.dumps(timings))
+        entries += report.read_json(part / "passk.json")
+    report.write_json(out / "eval" / "passk.json", entries)
 
     timings_file.write_text(json.dumps(timings))
-    entries = report.read_json(out / "eval" / "passk.json")
     rows, spread, bands = aggregate(entries, args.methods)
     default = out / "coverage.md" if args.smoke else ROOT / "docs" / "results" / "coverage.md"
     results = args.results or default

@@ -32,6 +32,13 @@ def _choice(name: str, value: object, valid: tuple[str, ...]) -> None:
         raise ValueError(f"{name} must be one of {valid}, got {value!r}")
 
 
+def _optional_positive(name: str, value: object, hint: str) -> None:
+    if value is not None and not (
+        isinstance(value, int | float) and math.isfinite(value) and value > 0
+    ):
+        raise ValueError(f"{name} must be a finite number > 0 or None, got {value!r} ({hint})")
+
+
 @dataclass(kw_only=True)
 class LossConfig:
     """Configuration of :func:`reco_megatron.algo.policy_loss` and its helpers.
@@ -70,8 +77,11 @@ class LossConfig:
     """PPO clip above: the ratio r may rise to ``1 + eps_high`` (> 0; DAPO clip-higher: 0.28)."""
 
     dual_clip_c: float | None = None
-    """Dual-clip constant (> 1) bounding the ``ppo_clip`` loss at ``-c A`` for A < 0;
-    ``None`` disables it (Ye et al. 2020, "Mastering Complex Control in MOBA Games")."""
+    """Dual-clip constant (> 1) for tokens with A < 0: ``ppo_clip`` bounds the loss at ``-c A``
+    (so no gradient where r > c, as verl/NeMo-RL); ``reco`` and ``cispo`` drop the policy term
+    of those tokens (the same mask, so ``reco`` with ``token_ratio="importance"`` keeps
+    ``ppo_clip``'s gradient). ``None`` disables it (Ye et al. 2020, "Mastering Complex Control
+    in MOBA Games")."""
 
     cispo_eps_high: float = 0.2
     """CISPO cap of the detached IS weight: ``min(r, 1 + cispo_eps_high)`` (> 0)."""
@@ -104,6 +114,11 @@ class LossConfig:
     """KL(pi || ref) estimator on sampled tokens: ``k1`` (log p - log p_ref) or ``k3``
     (exp(log p_ref - log p) - (log p_ref - log p) - 1, Schulman's unbiased low-variance one)."""
 
+    kl_clamp: float | None = None
+    """Clamp of the per-token KL estimate to ``[-kl_clamp, kl_clamp]`` (> 0); no gradient
+    where it binds. ``None`` (default) keeps the estimate exact. verl (k3) and NeMo-RL
+    (``kl_output_clamp_value``) clamp at 10: set 10.0 to match their GRPO-with-KL runs."""
+
     entropy_coef: float = 0.0
     """Coefficient of the entropy bonus (>= 0; the loss gets ``- entropy_coef * H``); > 0
     requires ``stats=`` (TokenStats with entropy) in :func:`policy_loss`."""
@@ -125,15 +140,7 @@ class LossConfig:
     disables it; 2.0 is the value of the TIS paper. Needs ``rollout_logp=``."""
 
     def __post_init__(self) -> None:
-        if self.tis_cap is not None and not (
-            isinstance(self.tis_cap, int | float)
-            and math.isfinite(self.tis_cap)
-            and self.tis_cap > 0
-        ):
-            raise ValueError(
-                f"tis_cap must be a finite number > 0 or None, got {self.tis_cap!r} "
-                "(2.0 is the TIS paper's value)"
-            )
+        _optional_positive("tis_cap", self.tis_cap, "2.0 is the TIS paper's value")
         _choice("objective", self.objective, OBJECTIVES)
         _choice("advantage_mode", self.advantage_mode, ADVANTAGE_MODES)
         _choice("response_weight", self.response_weight, WEIGHT_MODES)
@@ -173,6 +180,11 @@ class LossConfig:
             raise ValueError(f"geometric_w_max must be >= 1, got {self.geometric_w_max}")
         if not (self.kl_coef >= 0.0 and math.isfinite(self.kl_coef)):
             raise ValueError(f"kl_coef must be finite and >= 0, got {self.kl_coef}")
+        _optional_positive(
+            "kl_clamp",
+            self.kl_clamp,
+            "10.0 matches verl and NeMo-RL; None keeps the KL estimate exact",
+        )
         if not (self.entropy_coef >= 0.0 and math.isfinite(self.entropy_coef)):
             raise ValueError(f"entropy_coef must be finite and >= 0, got {self.entropy_coef}")
         if self.objective != "reco" and self.token_ratio != "importance":

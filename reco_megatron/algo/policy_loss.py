@@ -110,10 +110,12 @@ def policy_loss(
         - ``ppo_clip``: ``w * max(-r A, -clip(r, 1-eps_low, 1+eps_high) A)``, optionally
           ``min(., -dual_clip_c A)`` for A < 0;
         - ``reco``: ``-w sg(c) A log p`` on tokens where the clip does not fire in A's
-          direction (not (A > 0 and r > 1+eps_high), not (A < 0 and r < 1-eps_low)), 0 else;
-          so ``d loss / d log p = -w c A / Z`` there, with Z the aggregation denominator;
-        - ``cispo``: ``-w sg(clip(r, 1-cispo_eps_low, 1+cispo_eps_high)) A log p``.
-        plus ``kl_coef * KL_t`` and ``- entropy_coef * H_t``.
+          direction (not (A > 0 and r > 1+eps_high), not (A < 0 and r < 1-eps_low), not
+          (A < 0 and r > dual_clip_c) when set), 0 else; so ``d loss / d log p = -w c A / Z``
+          there, with Z the aggregation denominator;
+        - ``cispo``: ``-w sg(clip(r, 1-cispo_eps_low, 1+cispo_eps_high)) A log p``, 0 where
+          A < 0 and r > dual_clip_c (when set).
+        plus ``kl_coef * KL_t`` (clamped to ``±kl_clamp`` when set) and ``- entropy_coef * H_t``.
 
     Returns:
         ``(loss, metrics)``: the scalar loss (this batch's contribution to the global loss)
@@ -159,6 +161,11 @@ def policy_loss(
     r = ratio.detach()
     clip_high = maskb & (adv > 0) & (r > 1.0 + cfg.eps_high)
     clip_low = maskb & (adv < 0) & (r < 1.0 - cfg.eps_low)
+    # Dual clip: where ppo_clip's loss is capped at -c A (A < 0, r > c) it has no gradient;
+    # reco and cispo drop the same tokens.
+    clip_dual = torch.zeros_like(maskb)
+    if cfg.dual_clip_c is not None:
+        clip_dual = maskb & (adv < 0) & (r > cfg.dual_clip_c)
 
     c_raw: torch.Tensor | None = None
     if cfg.objective == "ppo_clip":
@@ -183,11 +190,11 @@ def policy_loss(
         )
         c = tr.ratio.detach()
         c_raw = tr.raw
-        per_token = torch.where(clip_high | clip_low, zeros, -(c * adv) * lp)
+        per_token = torch.where(clip_high | clip_low | clip_dual, zeros, -(c * adv) * lp)
     else:
         lo = 0.0 if cfg.cispo_eps_low is None else 1.0 - cfg.cispo_eps_low
         coef = r.clamp(min=lo, max=1.0 + cfg.cispo_eps_high)
-        per_token = -(coef * adv) * lp
+        per_token = torch.where(clip_dual, zeros, -(coef * adv) * lp)
     if weights is not None:
         per_token = per_token * weights.detach().to(logp.dtype).unsqueeze(1)
     tis: torch.Tensor | None = None
@@ -203,6 +210,8 @@ def policy_loss(
         else:
             d = (ref - lp).clamp(-cfg.max_log_ratio, cfg.max_log_ratio)
             kl_tok = torch.exp(d) - d - 1.0
+        if cfg.kl_clamp is not None:
+            kl_tok = kl_tok.clamp(-cfg.kl_clamp, cfg.kl_clamp)
         if cfg.kl_coef > 0:
             per_token = per_token + cfg.kl_coef * kl_tok
     entropy: torch.Tensor | None = None
@@ -222,6 +231,8 @@ def policy_loss(
 
     with torch.no_grad():
         metrics = _metrics(maskb, r, lp, lp_old, clip_low, clip_high, c_raw, weights, kl_tok)
+        if cfg.dual_clip_c is not None:
+            metrics["clip_frac_dual/mean"] = masked_mean(clip_dual.float(), maskb)
         if entropy is not None:
             metrics["entropy/mean"] = masked_mean(entropy, maskb)
         if tis is not None:

@@ -17,6 +17,12 @@ from reco_megatron.algo import PRESETS, LossConfig
         pytest.param({"prob_eps": 0.7}, r"prob_eps must be in \(0, 0.5\), got 0.7", id="prob_eps"),
         pytest.param({"kl_coef": -1.0}, r"kl_coef must be finite and >= 0, got -1.0", id="kl"),
         pytest.param(
+            {"kl_clamp": 0.0}, r"kl_clamp must be a finite number > 0 or None, got 0.0", id="kc0"
+        ),
+        pytest.param(
+            {"kl_clamp": float("inf")}, r"kl_clamp must be .* got inf .*10.0", id="kc-inf"
+        ),
+        pytest.param(
             {"objective": "ppo"}, r"objective must be one of .* got 'ppo'", id="objective"
         ),
         pytest.param(

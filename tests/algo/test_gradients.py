@@ -92,11 +92,33 @@ def test_ppo_clip_matches_textbook_gradient() -> None:
     torch.testing.assert_close(grad, expected, **EXACT)
 
 
-def test_reco_importance_equals_ppo_clip_gradient() -> None:
-    d = _batch()
-    g_ppo = _grad(LossConfig(objective="ppo_clip", token_ratio="importance"), d)
-    g_reco = _grad(LossConfig(objective="reco", token_ratio="importance"), d)
+@pytest.mark.parametrize("dual_clip_c", [None, 1.5])
+def test_reco_importance_equals_ppo_clip_gradient(dual_clip_c: float | None) -> None:
+    # spread 1.0: some A < 0 tokens have r > 1.5, so the dual clip fires (checked below).
+    d = _batch(spread=1.0)
+    kw = dict(token_ratio="importance", dual_clip_c=dual_clip_c)
+    g_ppo = _grad(LossConfig(objective="ppo_clip", **kw), d)
+    g_reco = _grad(LossConfig(objective="reco", **kw), d)
     torch.testing.assert_close(g_reco, g_ppo, **EXACT)
+    r = torch.exp(d["logp"] - d["logp_old"])
+    dual = d["mask"].bool() & (d["adv"][:, None] < 0) & (r > 1.5)
+    assert dual.any()
+    assert (g_ppo[dual] == 0).all() == (dual_clip_c is not None)
+
+
+@pytest.mark.parametrize(
+    ("objective", "ratio_mode"),
+    [("reco", "bernoulli"), ("reco", "categorical"), ("cispo", "importance")],
+)
+def test_dual_clip_masks_reco_and_cispo(objective: str, ratio_mode: str) -> None:
+    # Exactly the dual-clip tokens (A < 0, r > c) lose their gradient; the others keep it.
+    d = _batch(spread=1.0)
+    base = _grad(LossConfig(objective=objective, token_ratio=ratio_mode), d)
+    dual = _grad(LossConfig(objective=objective, token_ratio=ratio_mode, dual_clip_c=1.5), d)
+    r = torch.exp(d["logp"] - d["logp_old"])
+    fired = d["mask"].bool() & (d["adv"][:, None] < 0) & (r > 1.5)
+    assert fired.any() and (base[fired] != 0).all()
+    torch.testing.assert_close(dual, torch.where(fired, 0.0, base), **EXACT)
 
 
 def test_cispo_gradient_never_masks() -> None:

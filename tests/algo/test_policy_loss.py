@@ -99,6 +99,36 @@ def test_dual_clip() -> None:
         torch.testing.assert_close(logp.grad, torch.tensor([[grad]], dtype=F64), **EXACT)
 
 
+@pytest.mark.parametrize(
+    ("objective", "ratio_mode", "loss_no_dual", "grad_no_dual"),
+    [
+        # r = e^1.5 = 4.48; ppo_clip: max(rA, clip(r)A) with A = -1 -> loss r, grad r.
+        pytest.param("ppo_clip", "importance", math.exp(1.5), math.exp(1.5), id="ppo_clip"),
+        # reco: -c A log p = c * (-0.5); d/dlogp = c.
+        pytest.param("reco", "importance", -0.5 * math.exp(1.5), math.exp(1.5), id="reco-is"),
+        pytest.param("cispo", "importance", -0.5 * 1.2, 1.2, id="cispo"),
+    ],
+)
+def test_dual_clip_issue_example(objective, ratio_mode, loss_no_dual, grad_no_dual) -> None:
+    # The issue's token: A = -1, logp_old = -2, logp = -0.5. With dual_clip_c = 3 every
+    # objective has gradient 0 there (ppo_clip's loss is the constant -c A = 3, as in verl);
+    # before the fix reco and cispo ignored the setting (reco's gradient stayed 4.48).
+    logp = torch.tensor([[-0.5]], dtype=F64, requires_grad=True)
+    lp_old = torch.tensor([[-2.0]], dtype=F64)
+    adv, mask = torch.tensor([-1.0], dtype=F64), torch.ones(1, 1)
+    dual_loss = 3.0 if objective == "ppo_clip" else 0.0
+    for c, loss_exp, grad_exp in ((None, loss_no_dual, grad_no_dual), (3.0, dual_loss, 0.0)):
+        logp.grad = None
+        cfg = _cfg(objective=objective, token_ratio=ratio_mode, dual_clip_c=c)
+        loss, metrics = policy_loss(logp, lp_old, adv, mask, cfg)
+        loss.backward()
+        torch.testing.assert_close(loss, torch.tensor(loss_exp, dtype=F64), **EXACT)
+        torch.testing.assert_close(logp.grad, torch.tensor([[grad_exp]], dtype=F64), **EXACT)
+        assert ("clip_frac_dual/mean" in metrics) == (c is not None)
+        if c is not None:
+            assert metrics["clip_frac_dual/mean"].item() == 1.0
+
+
 # Per-token ppo_clip losses [[-1.2, -1], [0.8, 1]] with mask [[1, 1], [1, 0]].
 @pytest.mark.parametrize(
     ("aggregation", "extra", "expected"),
@@ -142,6 +172,28 @@ def test_kl_term(estimator: str, per_token) -> None:
     kl = [per_token(L(P[i][j]), L(ref[i][j])) for i in range(2) for j in range(2)]
     torch.testing.assert_close(loss, torch.tensor((-0.4 + 0.5 * sum(kl)) / 4, dtype=F64), **EXACT)
     assert metrics["kl_ref/mean"].item() == pytest.approx(sum(kl) / 4, rel=1e-6)
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k3"])
+def test_kl_clamp(estimator: str) -> None:
+    # log p = -1, log p_ref = -14: k3 = e^-13 + 13 - 1 ~ 12.0 and k1 = 13 exceed 10; the clamp
+    # caps them at 10 with zero gradient (as verl's k3 / NeMo-RL's kl_output_clamp_value); the
+    # second token (k3 = e^0.5 - 1.5 ~ 0.149, k1 = -0.5) is untouched.
+    logp = torch.tensor([[-1.0, -1.0]], dtype=F64, requires_grad=True)
+    ref = torch.tensor([[-14.0, -0.5]], dtype=F64)
+    adv, mask = torch.tensor([0.0], dtype=F64), torch.ones(1, 2)
+    exact = {"k1": lambda d: -d, "k3": lambda d: math.exp(d) - d - 1}[estimator]
+    dk = {"k1": lambda d: 1.0, "k3": lambda d: 1.0 - math.exp(d)}[estimator]  # d KL / d logp
+    for clamp in (None, 10.0):
+        logp.grad = None
+        cfg = _cfg(objective="ppo_clip", kl_coef=1.0, kl_estimator=estimator, kl_clamp=clamp)
+        loss, _ = policy_loss(logp, logp.detach(), adv, mask, cfg, ref_logp=ref)
+        loss.backward()
+        first = exact(-13.0) if clamp is None else 10.0
+        torch.testing.assert_close(loss, torch.tensor((first + exact(0.5)) / 2, dtype=F64), **EXACT)
+        g0 = dk(-13.0) / 2 if clamp is None else 0.0
+        expected = torch.tensor([[g0, dk(0.5) / 2]], dtype=F64)
+        torch.testing.assert_close(logp.grad, expected, **EXACT)
 
 
 def test_entropy_bonus_and_metric() -> None:

@@ -59,8 +59,9 @@ def batches(draw):
     ),
     weight_mode=st.sampled_from(["sequence", "geometric", "empirical", "none"]),
     aggregation=st.sampled_from(["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]),
+    clamps=st.sampled_from([(None, None), (3.0, 10.0)]),
 )
-def test_loss_and_grad_finite(data, objective_ratio, weight_mode, aggregation) -> None:
+def test_loss_and_grad_finite(data, objective_ratio, weight_mode, aggregation, clamps) -> None:
     g, logp, logp_old, mask, adv, s2 = data
     objective, ratio = objective_ratio
     cfg = LossConfig(
@@ -69,7 +70,8 @@ def test_loss_and_grad_finite(data, objective_ratio, weight_mode, aggregation) -
         response_weight=weight_mode,
         aggregation=aggregation,
         loss_normalizer=512.0,
-        dual_clip_c=3.0 if objective == "ppo_clip" else None,
+        dual_clip_c=clamps[0],
+        kl_clamp=clamps[1],
         kl_coef=0.1,
         entropy_coef=0.01,
     )

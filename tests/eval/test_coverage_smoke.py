@@ -27,6 +27,16 @@ def test_coverage_experiment_smoke(tmp_path) -> None:
     report = (out / "coverage.md").read_text()
     assert "| grpo |" in report and "coverage.png" in report
     assert (out / "coverage.png").stat().st_size > 1000
+    # Resumable: a second invocation finds every stage done and redoes none of them.
+    parts = sorted((out / "eval" / "parts").glob("*/*/passk.json"))
+    names = [p.parent.name for p in parts]
+    assert names == ["base-step_00000000", "grpo-s1-step_00000002", "reco-s1-step_00000002"]
+    stamps = {p: p.stat().st_mtime_ns for p in parts}
+    ckpt_stamps = {p: p.stat().st_mtime_ns for p in out.glob("*/**/checkpoints/latest")}
+    assert len(ckpt_stamps) == 3
+    assert module.main(["--smoke", "--out", str(out), "--methods", "grpo", "reco"]) == 0
+    assert {p: p.stat().st_mtime_ns for p in parts} == stamps
+    assert {p: p.stat().st_mtime_ns for p in out.glob("*/**/checkpoints/latest")} == ckpt_stamps
     for run in ("grpo-s1", "reco-s1"):
         rows = [json.loads(x) for x in (out / "runs" / run / "eval.jsonl").read_text().splitlines()]
         assert [r["step"] for r in rows] == [0, 1, 2]

@@ -1,0 +1,101 @@
+"""The mechanism experiment (examples/mechanism): its exact statistics against sampling, its
+statistics helpers against closed forms, the synthetic length sweep at its two limits, and
+the reduced pipeline end to end (resumed without redoing finished runs)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = ROOT / "examples" / "mechanism"
+
+
+@pytest.fixture(scope="module")
+def mech():
+    # The experiment's modules import each other by bare name (task, rl, stats, ...): load
+    # them from its directory and unload them afterwards so no other test sees those names.
+    # One torch thread, as run.py uses: these are tiny ops, and two threads on a shared CPU
+    # only wait for each other.
+    before, threads = set(sys.modules), torch.get_num_threads()
+    torch.set_num_threads(1)
+    sys.path.insert(0, str(HERE))
+    try:
+        yield {name: importlib.import_module(name) for name in ("task", "stats", "sweep", "run")}
+    finally:
+        torch.set_num_threads(threads)
+        sys.path.remove(str(HERE))
+        for name in set(sys.modules) - before:
+            if (
+                getattr(sys.modules[name], "__file__", "")
+                and str(HERE) in sys.modules[name].__file__
+            ):
+                del sys.modules[name]
+
+
+def test_valid_stats_match_sampling(mech) -> None:
+    # pass@1 is scored exactly (valid answers enumerated); the share of valid answers among 4,000
+    # sampled responses per prompt must agree with it within 5 standard errors.
+    task_mod = mech["task"]
+    spec = task_mod.TaskSpec(prompts=3)
+    task = task_mod.Task(spec, seed=3)
+    torch.manual_seed(3)
+    policy = task_mod.Policy(spec)
+    task_mod.sft(policy, task, 60, seed=3)
+    stats = task_mod.valid_stats(policy, task, 16)
+    n = 4_000
+    prompts = torch.arange(3).repeat_interleave(n)
+    responses, _, _ = policy.sample(prompts, torch.Generator().manual_seed(0))
+    hit = task.reward(prompts, responses).view(3, n).mean(1)
+    se = math.sqrt(0.25 / n)
+    assert abs(float(hit.mean()) - stats["pass1"]) < 5 * se
+    assert 0.0 < stats["entropy"] <= math.log(spec.k_max)
+    assert stats["pass1"] > 0.01  # the SFT start puts mass on the valid answers
+
+
+def test_sign_flip_and_bootstrap(mech) -> None:
+    st = mech["stats"]
+    # All 10 differences positive: only the all-plus and all-minus patterns are as extreme.
+    assert st.sign_flip_p(np.ones(10)) == pytest.approx(2 / 1024)
+    assert st.sign_flip_p(np.array([1.0, -1.0] * 5)) == 1.0
+    x = np.arange(20.0)
+    lo, hi = st.bootstrap_ci(x)
+    assert lo < x.mean() < hi and hi - lo < 6.0
+
+
+def test_sweep_limits(mech) -> None:
+    sweep = mech["sweep"]
+    # A deterministic pool: every response has probability 1 and all G are identical, so the
+    # sequence weight is 1/G and the empirical weight 1/G: all below 1.
+    one_hot = torch.eye(4)[torch.zeros(16, dtype=torch.long)]
+    rows = sweep.activity(one_hot, [1, 64], groups=10)
+    assert all(r["w_lt1_sequence"] == 1.0 and r["w_lt1_empirical"] == 1.0 for r in rows)
+    # A uniform pool over 4 tokens: log pi(o) = -T log 4, below -log 8 from T = 2 on.
+    rows = sweep.activity(torch.full((16, 4), 0.25), [1, 2, 32], groups=50)
+    assert rows[0]["w_lt1_sequence"] == 1.0 and rows[1]["w_lt1_sequence"] == 0.0
+    assert rows[2]["w_lt1_empirical"] == 0.0
+    assert sweep.sequence_threshold(8, math.log(4)) == pytest.approx(1.5)
+
+
+def test_pipeline_smoke_and_resume(mech, tmp_path) -> None:
+    run = mech["run"]
+    out = tmp_path / "mech"
+    assert run.main(["--smoke", "--out", str(out), "--methods", "grpo", "reco"]) == 0
+    raw = sorted(p.name for p in (out / "raw").iterdir())
+    assert raw == ["grpo-s1.json", "grpo-s2.json", "reco-s1.json", "reco-s2.json"]
+    curves = json.loads((out / "raw" / "reco-s1.json").read_text())["curves"]
+    assert curves["step"] == [0, 2, 4, 6]
+    assert {"pass1", "entropy", "distinct", "w_lt1_sequence", "w_lt1_empirical"} <= set(curves)
+    report = (out / "mechanism.md").read_text()
+    assert "| reco |" in report and "mechanism.png" in report and "sign-flip" in report
+    assert (out / "mechanism.png").stat().st_size > 1000
+    stamps = {p: p.stat().st_mtime_ns for p in (out / "raw").iterdir()}
+    assert run.main(["--smoke", "--out", str(out), "--methods", "grpo", "reco"]) == 0
+    assert {p: p.stat().st_mtime_ns for p in (out / "raw").iterdir()} == stamps
