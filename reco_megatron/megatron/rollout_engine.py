@@ -143,9 +143,7 @@ class MegatronDecoder:
             recv = torch.empty(s, b, self.config.hidden_size, dtype=dtype, device=self.device)
             dist.recv(recv, src=self._prev_rank, group=self.pp_group)
         self.model.set_input_tensor(recv)
-        out = self.model(
-            tokens, positions, None, inference_context=ctx, runtime_gather_output=True
-        )
+        out = self.model(tokens, positions, None, inference_context=ctx, runtime_gather_output=True)
         ctx.increment_sequence_len_offset(s)
         if not self.last_stage:
             dist.send(out.contiguous(), dst=self._next_rank, group=self.pp_group)

@@ -211,4 +211,3 @@ class MegatronEngine(RolloutEngine):
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("the engine was closed; build a new MegatronEngine")
-

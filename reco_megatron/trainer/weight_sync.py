@@ -3,7 +3,9 @@
 The policy's weights travel as Hugging Face ``(name, tensor)`` pairs
 (:func:`reco_megatron.megatron.hf.converter.policy_hf_weights`): what vLLM's
 ``load_weights`` and the embedded transformers engine both take. Every rank holds a rollout
-engine for its data-parallel replica, so every rank receives every tensor.
+engine for its data-parallel replica, so every rank receives every tensor. The ``megatron``
+engine decodes on the trainer's own chunks: its sync sends nothing (no conversion), and the
+client frees its KV cache after every rollout so training gets the memory back.
 """
 
 from __future__ import annotations
@@ -25,9 +27,14 @@ from reco_megatron.rollout.base import Completion, RolloutEngine, SamplingParams
 class RolloutClient:
     """The trainer's handle on a :class:`RolloutEngine` with the run's sampling settings."""
 
-    def __init__(self, engine: RolloutEngine, sampling: SamplingParams) -> None:
+    def __init__(
+        self, engine: RolloutEngine, sampling: SamplingParams, sleep_between_steps: bool = False
+    ) -> None:
         self.engine = engine
         self.sampling = sampling
+        self.sleep_between_steps = sleep_between_steps
+        """Wake the engine before each rollout and put it to sleep after (frees its KV cache
+        while the trainer runs); used for the megatron engine, which shares the GPU memory."""
 
     def generate_seeded(
         self, prompts: list[list[int]], n: int, seeds: list[int]
@@ -43,7 +50,13 @@ class RolloutClient:
         if len(seeds) != len(prompts):
             raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts; pass one per prompt")
         params = [replace(self.sampling, seed=seed) for seed in seeds]
-        return self.engine.generate(prompts, n, params)
+        if not self.sleep_between_steps:
+            return self.engine.generate(prompts, n, params)
+        self.engine.wake()
+        try:
+            return self.engine.generate(prompts, n, params)
+        finally:
+            self.engine.sleep()
 
     def update_weights(self, named: Iterator[tuple[str, torch.Tensor]]) -> None:
         self.engine.update_weights(named)
@@ -61,8 +74,11 @@ class RolloutClient:
         self.engine.close()
 
 
-def build_rollout_engine(cfg: Any, tokenizer: Any) -> RolloutClient:
-    """The configured engine (``embedded`` or ``vllm``) for the policy architecture."""
+def build_rollout_engine(cfg: Any, tokenizer: Any, policy: Any = None) -> RolloutClient:
+    """The configured engine (``embedded``, ``vllm`` or ``megatron``) for the policy.
+
+    ``policy`` is the trainer's :class:`reco_megatron.megatron.engine.ReCoEngine`; the
+    ``megatron`` engine decodes on its chunks (required for it, unused by the others)."""
     r = cfg.rollout
     eos = (tokenizer.eos_id,)
     sampling = SamplingParams(
@@ -75,6 +91,10 @@ def build_rollout_engine(cfg: Any, tokenizer: Any) -> RolloutClient:
     hf_config["eos_token_id"] = tokenizer.eos_id
     hf_config["pad_token_id"] = tokenizer.pad_id
     max_len = r.max_prompt_len + r.max_new_tokens
+    if r.engine == "megatron":
+        return RolloutClient(
+            _megatron_engine(cfg, policy, max_len, eos), sampling, sleep_between_steps=True
+        )
     if r.engine == "embedded":
         from reco_megatron.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
 
@@ -82,7 +102,11 @@ def build_rollout_engine(cfg: Any, tokenizer: Any) -> RolloutClient:
         engine: RolloutEngine = EmbeddedEngine(
             hf_config,
             EmbeddedEngineConfig(
-                max_model_len=max_len, seed=cfg.trainer.seed, device=device, eos_token_ids=eos
+                max_model_len=max_len,
+                max_batch_size=r.max_batch_size,
+                seed=cfg.trainer.seed,
+                device=device,
+                eos_token_ids=eos,
             ),
         )
     else:
@@ -103,6 +127,24 @@ def build_rollout_engine(cfg: Any, tokenizer: Any) -> RolloutClient:
             )
         )
     return RolloutClient(engine, sampling)
+
+
+def _megatron_engine(cfg: Any, policy: Any, max_len: int, eos: tuple[int, ...]) -> RolloutEngine:
+    """The megatron engine on ``policy``'s chunks (it satisfies the protocol structurally:
+    ``reco_megatron.rollout`` never imports megatron, the adapter takes the decoder)."""
+    from reco_megatron.megatron.rollout_engine import MegatronDecoder
+    from reco_megatron.rollout.megatron_engine import MegatronEngine, MegatronEngineConfig
+
+    if policy is None:
+        raise ValueError("rollout.engine=megatron needs the trainer's engine (policy=...)")
+    decoder = MegatronDecoder(
+        policy.unwrapped(),
+        vocab_size=cfg.model.vocab_size,
+        max_model_len=max_len,
+        max_batch_size=cfg.rollout.max_batch_size,
+        pad_id=eos[0],
+    )
+    return MegatronEngine(decoder, MegatronEngineConfig(seed=cfg.trainer.seed, eos_token_ids=eos))
 
 
 def write_rollout_model_dir(cfg: Any, hf_config: dict[str, Any]) -> Path:
@@ -127,5 +169,10 @@ def sync_weights(
     """Stream the current policy into the rollout engine (collective).
 
     ``converter`` is the resolved ``checkpoint.hf_converter``
-    (:func:`reco_megatron.megatron.hf.converter.choose_converter`)."""
+    (:func:`reco_megatron.megatron.hf.converter.choose_converter`). An engine that generates
+    with the trainer's own weights (``uses_trainer_weights``) gets an empty stream: no export.
+    """
+    if getattr(rollout.engine, "uses_trainer_weights", False):
+        rollout.update_weights(iter(()))
+        return
     rollout.update_weights(policy_hf_weights(engine.unwrapped(), model_cfg, converter))
