@@ -139,7 +139,7 @@ class MegatronEngine(RolloutEngine):
         """``n`` completions per prompt; ``result[i][j]`` is sample ``j`` of prompt ``i``.
 
         Same grouping, noise and sampling as the embedded engine (module docstring); chunks
-        hold at most ``decoder.max_batch_size`` rows.
+        hold at most ``decoder.max_batch_size`` rows, sorted by prompt length.
         """
         self._check_open()
         params = self._admit(prompt_token_ids, n, sampling)
@@ -150,14 +150,19 @@ class MegatronEngine(RolloutEngine):
         size = self.decoder.max_batch_size
         for setting, members in group_by_setting(params).items():
             stop_ids = sorted(set(self.config.eos_token_ids) | set(setting.stop_token_ids))
-            rows = [(i, j) for i in members for j in range(n)]
-            row_noise = torch.cat([noise[i] for i in members])
+            # Rows of similar prompt length share a chunk: the decoder feeds the longer prompts
+            # of a chunk one token per step, so mixed lengths cost steps (never results: a
+            # row's noise and tokens do not depend on its chunk).
+            rows = sorted(
+                ((i, j) for i in members for j in range(n)),
+                key=lambda row: len(prompt_token_ids[row[0]]),
+            )
             sample = partial(sample_next, sampling=setting)
             for lo in range(0, len(rows), size):
                 chunk = rows[lo : lo + size]
                 decoded = self.decoder.decode(
                     [prompt_token_ids[i] for i, _ in chunk],
-                    row_noise[lo : lo + size],
+                    torch.stack([noise[i][j] for i, j in chunk]),
                     stop_ids,
                     sample,
                 )
