@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import statistics
 import time
 from dataclasses import replace
 from typing import Any
@@ -75,6 +76,7 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument("--max-batch-size", type=int, default=None)
     parser.add_argument("--embedded-prompts", type=int, default=None, help="default: all")
     parser.add_argument("--arms", default="megatron,embedded")
+    parser.add_argument("--reps", type=int, default=None, help="timed calls per arm (median)")
     parser.add_argument("--out", default="", help="also write the result as JSON here")
     args = parser.parse_args()
     if args.smoke == args.gpu_1b:
@@ -85,6 +87,8 @@ def _arguments() -> argparse.Namespace:
     ):
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if args.reps is None:
+        args.reps = 3 if args.smoke else 1
     if args.smoke:
         args.prompt_len = (8, 16)
     return args
@@ -96,16 +100,20 @@ def _prompts(n: int, lo: int, hi: int, vocab: int) -> list[list[int]]:
     return [torch.randint(3, vocab, (int(k),), generator=gen).tolist() for k in lengths]
 
 
-def _timed(engine: Any, prompts: list[list[int]], group: int, params: list[Any]) -> Any:
-    engine.generate(prompts[:2], 1, [replace(p, max_new_tokens=4) for p in params[:2]])  # warm-up
+def _timed(engine: Any, prompts: list[list[int]], group: int, params: list[Any], reps: int) -> Any:
+    """Warm up, then ``reps`` timed calls; the median wall time counts."""
+    engine.generate(prompts[:2], 1, [replace(p, max_new_tokens=4) for p in params[:2]])
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    out = engine.generate(prompts, group, params)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    wall = time.perf_counter() - start
+    walls = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        out = engine.generate(prompts, group, params)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        walls.append(time.perf_counter() - start)
+    wall = statistics.median(walls)
     tokens = sum(len(c.token_ids) for g in out for c in g)
     peak = (
         torch.cuda.max_memory_allocated() / 2**30
@@ -117,7 +125,6 @@ def _timed(engine: Any, prompts: list[list[int]], group: int, params: list[Any])
 
 def main() -> None:
     args = _arguments()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     model_cfg = ModelConfig(
         **(SMOKE if args.smoke else GPU_1B),
         max_position_embeddings=args.prompt_len[1] + args.new_tokens,
@@ -141,6 +148,7 @@ def main() -> None:
         "group": args.group,
         "new_tokens": args.new_tokens,
         "max_batch_size": args.max_batch_size,
+        "reps": args.reps,
     }
     outs = {}
     arms = args.arms.split(",")
@@ -152,7 +160,9 @@ def main() -> None:
             max_batch_size=args.max_batch_size,
         )
         engine = MegatronEngine(decoder, MegatronEngineConfig(eos_token_ids=()))
-        outs["megatron"], result["megatron"] = _timed(engine, prompts, args.group, params)
+        outs["megatron"], result["megatron"] = _timed(
+            engine, prompts, args.group, params, args.reps
+        )
         result["megatron"]["kv_cache_gib"] = decoder.kv_cache_bytes() / 2**30
         engine.close()
     if "embedded" in arms:
@@ -170,7 +180,9 @@ def main() -> None:
         )
         emb.update_weights(policy_hf_weights([model], model_cfg))
         k = args.embedded_prompts or len(prompts)
-        outs["embedded"], result["embedded"] = _timed(emb, prompts[:k], args.group, params[:k])
+        outs["embedded"], result["embedded"] = _timed(
+            emb, prompts[:k], args.group, params[:k], args.reps
+        )
         result["embedded"]["prompts"] = k
         emb.close()
     if len(outs) == 2:
