@@ -1,4 +1,4 @@
-"""``rollout.engine: megatron`` trains the tiny run end to end on CPU.
+"""``rollout.engine: megatron`` trains the tiny run end to end on CPU (TP 1, TP 2, PP 2).
 
 A short SFT warm-up moves the weights before the first rollout, so a rollout engine that did
 not decode with the live training weights would report log-probs of another policy; the
@@ -34,10 +34,13 @@ def _run(rank, world_size, out: str, extra: list[str]):
     assert main(["examples/tiny_cpu.yaml", *RUN, f"trainer.output_dir={out}", *extra]) == 0
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_megatron_engine_trains_the_tiny_run(tmp_path: Path, tp: int) -> None:
-    extra = [f"parallel.tensor_model_parallel_size={tp}"]
-    run_distributed(_run, tp, args=(str(tmp_path), extra), timeout=600)
+@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 1), (1, 2)])
+def test_megatron_engine_trains_the_tiny_run(tmp_path: Path, tp: int, pp: int) -> None:
+    extra = [
+        f"parallel.tensor_model_parallel_size={tp}",
+        f"parallel.pipeline_model_parallel_size={pp}",
+    ]
+    run_distributed(_run, tp * pp, args=(str(tmp_path), extra), timeout=600)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     for row in rows:
