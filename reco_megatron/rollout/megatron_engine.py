@@ -20,7 +20,7 @@ converted weights into the training model would silently overwrite the policy.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol
@@ -101,6 +101,7 @@ class MegatronEngine(RolloutEngine):
         self._calls = 0
         self._weights_loaded = True  # the live training weights
         self._asleep = False
+        self._sleeping = False
         self._closed = False
 
     @property
@@ -116,14 +117,24 @@ class MegatronEngine(RolloutEngine):
         """Token ids that end every response."""
         return self.config.eos_token_ids
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def update_weights(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        expected: Mapping[str, tuple[int, ...]] | None = None,
+    ) -> None:
         """Mark the weights current; the stream must be empty (they are the trainer's own).
 
         Nothing is cached across calls (the KV cache is rebuilt for every chunk), so the sync
-        is a no-op; a non-empty stream raises instead of overwriting the policy.
+        is a no-op; a non-empty stream raises instead of overwriting the policy. ``expected``
+        (HF names and shapes a converted stream must carry) does not apply: no stream.
         """
         self._check_open()
-        names = [name for name, _ in named_tensors]
+        self._load_weights(iter(named_tensors))
+        self._weights_loaded = True
+
+    def _load_weights(self, stream: Iterator[tuple[str, torch.Tensor]]) -> None:
+        names = [name for name, _ in stream]
         if names:
             raise ValueError(
                 f"the megatron rollout engine generates with the trainer's own weights and takes "
@@ -131,7 +142,6 @@ class MegatronEngine(RolloutEngine):
                 "update_weights(()) after an optimizer step, or use rollout.engine=embedded to "
                 "generate from exported weights"
             )
-        self._weights_loaded = True
 
     def generate(
         self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingArg
@@ -143,6 +153,8 @@ class MegatronEngine(RolloutEngine):
         """
         self._check_open()
         params = self._admit(prompt_token_ids, n, sampling)
+        if self._sleeping:  # the engine's own state (its KV cache), whatever the base tracks
+            raise RuntimeError("the engine is asleep: call wake() before generate()")
         noise = draw_noise(params, n, call_seed(self._seed, self._calls))
         self._calls += 1
         start = time.perf_counter()
@@ -185,13 +197,28 @@ class MegatronEngine(RolloutEngine):
     def sleep(self) -> None:
         """Free the KV cache (the weights are the trainer's and stay where they are)."""
         self._check_open()
-        self.decoder.free_cache()
-        self._asleep = True
+        self._release_memory()
+        self._asleep = self._sleeping = True
 
     def wake(self) -> None:
         """Allow :meth:`generate` again; the KV cache is re-allocated by its first forward."""
         self._check_open()
-        self._asleep = False
+        self._restore_memory("kv_cache")
+        self._asleep = self._sleeping = False
+
+    def wake_weights(self) -> None:
+        """Nothing to bring back: the weights never leave the trainer."""
+        self._check_open()
+
+    def wake_kv_cache(self) -> None:
+        """:meth:`wake` (the KV cache is the only memory the engine releases)."""
+        self.wake()
+
+    def _release_memory(self) -> None:
+        self.decoder.free_cache()
+
+    def _restore_memory(self, tag: str) -> None:
+        """Nothing to do now: megatron allocates the KV cache lazily in the next forward."""
 
     def close(self) -> None:
         """Free the KV cache; the engine cannot be used afterwards."""

@@ -173,6 +173,7 @@ def sync_weights(
     with the trainer's own weights (``uses_trainer_weights``) gets an empty stream: no export.
     """
     if getattr(rollout.engine, "uses_trainer_weights", False):
-        rollout.update_weights(iter(()))
+        rollout.engine.update_weights(iter(()))
+        rollout.engine.wake()  # the KV cache comes back lazily, at the next forward
         return
     rollout.update_weights(policy_hf_weights(engine.unwrapped(), model_cfg, converter))
