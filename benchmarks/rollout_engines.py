@@ -159,7 +159,9 @@ def main() -> None:
             max_model_len=max_len,
             max_batch_size=args.max_batch_size,
         )
-        engine = MegatronEngine(decoder, MegatronEngineConfig(eos_token_ids=()))
+        engine = MegatronEngine(
+            decoder, MegatronEngineConfig(eos_token_ids=(), release_cache_after_generate=False)
+        )
         outs["megatron"], result["megatron"] = _timed(
             engine, prompts, args.group, params, args.reps
         )

@@ -75,6 +75,11 @@ class MegatronEngineConfig:
     eos_token_ids: tuple[int, ...] = ()
     """Token ids that end every response (on top of ``SamplingParams.stop_token_ids``)."""
 
+    release_cache_after_generate: bool = True
+    """Free the KV cache when :meth:`MegatronEngine.generate` returns, so the trainer's update
+    gets the memory back without a :meth:`~MegatronEngine.sleep` call (re-allocating it costs
+    one allocation per layer per call); ``False`` keeps it for back-to-back calls."""
+
     def __post_init__(self) -> None:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
@@ -186,6 +191,8 @@ class MegatronEngine(RolloutEngine):
                         logprobs=list(row.logprobs),
                         finish_reason="stop" if row.stopped else "length",
                     )
+        if self.config.release_cache_after_generate:
+            self._release_memory()
         logger.debug(
             "megatron generate: %d prompts x %d in %.2fs",
             len(out),

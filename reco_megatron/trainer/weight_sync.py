@@ -4,8 +4,8 @@ The policy's weights travel as Hugging Face ``(name, tensor)`` pairs
 (:func:`reco_megatron.megatron.hf.converter.policy_hf_weights`): what vLLM's
 ``load_weights`` and the embedded transformers engine both take. Every rank holds a rollout
 engine for its data-parallel replica, so every rank receives every tensor. The ``megatron``
-engine decodes on the trainer's own chunks: its sync sends nothing (no conversion), and the
-client frees its KV cache after every rollout so training gets the memory back.
+engine decodes on the trainer's own chunks: its sync sends nothing (no conversion), and it
+frees its KV cache when each rollout returns, so training gets the memory back.
 """
 
 from __future__ import annotations
@@ -27,14 +27,9 @@ from reco_megatron.rollout.base import Completion, RolloutEngine, SamplingParams
 class RolloutClient:
     """The trainer's handle on a :class:`RolloutEngine` with the run's sampling settings."""
 
-    def __init__(
-        self, engine: RolloutEngine, sampling: SamplingParams, sleep_between_steps: bool = False
-    ) -> None:
+    def __init__(self, engine: RolloutEngine, sampling: SamplingParams) -> None:
         self.engine = engine
         self.sampling = sampling
-        self.sleep_between_steps = sleep_between_steps
-        """Wake the engine before each rollout and put it to sleep after (frees its KV cache
-        while the trainer runs); used for the megatron engine, which shares the GPU memory."""
 
     def generate_seeded(
         self, prompts: list[list[int]], n: int, seeds: list[int]
@@ -50,13 +45,7 @@ class RolloutClient:
         if len(seeds) != len(prompts):
             raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts; pass one per prompt")
         params = [replace(self.sampling, seed=seed) for seed in seeds]
-        if not self.sleep_between_steps:
-            return self.engine.generate(prompts, n, params)
-        self.engine.wake()
-        try:
-            return self.engine.generate(prompts, n, params)
-        finally:
-            self.engine.sleep()
+        return self.engine.generate(prompts, n, params)
 
     def update_weights(self, named: Iterator[tuple[str, torch.Tensor]]) -> None:
         self.engine.update_weights(named)
@@ -92,9 +81,7 @@ def build_rollout_engine(cfg: Any, tokenizer: Any, policy: Any = None) -> Rollou
     hf_config["pad_token_id"] = tokenizer.pad_id
     max_len = r.max_prompt_len + r.max_new_tokens
     if r.engine == "megatron":
-        return RolloutClient(
-            _megatron_engine(cfg, policy, max_len, eos), sampling, sleep_between_steps=True
-        )
+        return RolloutClient(_megatron_engine(cfg, policy, max_len, eos), sampling)
     if r.engine == "embedded":
         from reco_megatron.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
 

@@ -16,7 +16,9 @@ from reco_megatron.rollout.base import SamplingParams
 PROMPTS = [[5, 17, 3], [9, 1, 44, 12, 7], [60, 2, 8, 31]]
 
 
-def rollout_engine(engine: Any, max_batch_size: int = 16, seed: int = 0, eos: tuple = ()) -> Any:
+def rollout_engine(
+    engine: Any, max_batch_size: int = 16, seed: int = 0, eos: tuple = (), release: bool = True
+) -> Any:
     """A :class:`MegatronEngine` on ``engine``'s chunks (what the trainer builds)."""
     from reco_megatron.megatron.rollout_engine import MegatronDecoder
     from reco_megatron.rollout.megatron_engine import MegatronEngine, MegatronEngineConfig
@@ -28,7 +30,10 @@ def rollout_engine(engine: Any, max_batch_size: int = 16, seed: int = 0, eos: tu
         max_model_len=cfg.max_position_embeddings,
         max_batch_size=max_batch_size,
     )
-    return MegatronEngine(decoder, MegatronEngineConfig(seed=seed, eos_token_ids=eos))
+    return MegatronEngine(
+        decoder,
+        MegatronEngineConfig(seed=seed, eos_token_ids=eos, release_cache_after_generate=release),
+    )
 
 
 def logprob_gap_body(rank: int, world: int, tp: int, pp: int, sampling: SamplingParams) -> Any:
@@ -124,9 +129,12 @@ def state_body(rank: int, world: int) -> Any:
     from tests.megatron._reco import build_engine
 
     engine = build_engine(micro_batch_size=2)
-    eng = rollout_engine(engine, max_batch_size=8, seed=3)
     s = SamplingParams(max_new_tokens=5)
-    out: dict[str, Any] = {"kv_before": eng.decoder.kv_cache_bytes()}
+    released = rollout_engine(engine, max_batch_size=8)  # the trainer's setting
+    released.generate(PROMPTS, 2, s)
+    out: dict[str, Any] = {"kv_released": released.decoder.kv_cache_bytes()}
+    eng = rollout_engine(engine, max_batch_size=8, seed=3, release=False)
+    out["kv_before"] = eng.decoder.kv_cache_bytes()
     eng.generate(PROMPTS, 2, s)
     out["kv_after_generate"] = eng.decoder.kv_cache_bytes()
     eng.sleep()
