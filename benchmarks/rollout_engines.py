@@ -77,6 +77,7 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument("--embedded-prompts", type=int, default=None, help="default: all")
     parser.add_argument("--arms", default="megatron,embedded")
     parser.add_argument("--reps", type=int, default=None, help="timed calls per arm (median)")
+    parser.add_argument("--dtype", default=None, help="override the preset's params_dtype")
     parser.add_argument("--out", default="", help="also write the result as JSON here")
     args = parser.parse_args()
     if args.smoke == args.gpu_1b:
@@ -125,10 +126,10 @@ def _timed(engine: Any, prompts: list[list[int]], group: int, params: list[Any],
 
 def main() -> None:
     args = _arguments()
-    model_cfg = ModelConfig(
-        **(SMOKE if args.smoke else GPU_1B),
-        max_position_embeddings=args.prompt_len[1] + args.new_tokens,
-    )
+    preset = dict(SMOKE if args.smoke else GPU_1B)
+    if args.dtype:
+        preset["params_dtype"] = args.dtype
+    model_cfg = ModelConfig(**preset, max_position_embeddings=args.prompt_len[1] + args.new_tokens)
     parallel = ParallelConfig()
     initialize_parallel(parallel, seed=1234)
     on_gpu = torch.cuda.is_available()
