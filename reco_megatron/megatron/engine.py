@@ -13,6 +13,12 @@ One rollout batch (whole groups of G responses per DP rank) goes through:
 Pipeline parallelism: only the last stage computes statistics and losses, so ``old_logprobs``,
 weights and metrics live there; metrics are then broadcast to every rank of the model-parallel
 group so that global rank 0 can log them.
+
+Devices (:mod:`reco_megatron.megatron.device`): the engine computes on ``engine.device`` (the
+current CUDA device, or the CPU). Batches come from the trainer on any device (the trainer
+builds them on the CPU); every public method moves them to ``engine.device`` itself, and what it
+returns is on the CPU: the prepared :class:`RolloutBatch`, statistics tensors, and metrics as
+Python floats. Nothing above the engine moves tensors to the engine's device.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import torch.distributed as dist
 
 from reco_megatron.algo import LossConfig, response_weights
 from reco_megatron.megatron.batch import RolloutBatch, micro_batches
+from reco_megatron.megatron.device import collective_device, resolve_device
 from reco_megatron.megatron.distributed import ParallelConfig
 from reco_megatron.megatron.engine_metrics import reduce_metrics
 from reco_megatron.megatron.loss_layer import (
@@ -70,6 +77,8 @@ class ReCoEngine:
     """Model chunks, DDP, distributed optimizer, scheduler and the ReCo update.
 
     Must be constructed after :func:`reco_megatron.megatron.distributed.initialize_parallel`.
+    ``device``: where the model and its computations live; None (the default) is the current
+    CUDA device when CUDA is available, else the CPU (``engine.device`` holds the answer).
     """
 
     def __init__(
@@ -81,12 +90,15 @@ class ReCoEngine:
         update: UpdateConfig,
         total_optimizer_steps: int,
         seed: int = 1234,
+        device: torch.device | str | None = None,
     ) -> None:
         from megatron.core import parallel_state as ps
 
         self.model_cfg, self.parallel, self.loss_cfg = model, parallel, loss
         self.optim_cfg, self.update = optim, update
-        self.on_gpu = torch.cuda.is_available()
+        self.device = resolve_device(device)
+        """Where the model lives and every batch is moved to (``cpu`` or the current CUDA)."""
+        self.on_gpu = self.device.type == "cuda"
         parallel.validate_for_model(model, model.num_layers, self.on_gpu)
         self.config = transformer_config(model, parallel, self.on_gpu)
         torch.manual_seed(seed)  # identical initial weights on every data-parallel replica
@@ -114,15 +126,14 @@ class ReCoEngine:
         chunks = []
         for i in range(vp or 1):
             kwargs = {} if vp is None else {"vp_stage": i}
-            chunks.append(
-                build_model(
-                    self.model_cfg,
-                    self.config,
-                    pre_process=ps.is_pipeline_first_stage(ignore_virtual=vp is None, **kwargs),
-                    post_process=ps.is_pipeline_last_stage(ignore_virtual=vp is None, **kwargs),
-                    on_gpu=self.on_gpu,
-                )
+            chunk = build_model(
+                self.model_cfg,
+                self.config,
+                pre_process=ps.is_pipeline_first_stage(ignore_virtual=vp is None, **kwargs),
+                post_process=ps.is_pipeline_last_stage(ignore_virtual=vp is None, **kwargs),
+                on_gpu=self.on_gpu,
             )
+            chunks.append(chunk.to(self.device))
         return chunks
 
     def unwrapped(self) -> list[Any]:
@@ -149,12 +160,12 @@ class ReCoEngine:
     def _run(self, model: list[Any], batch: RolloutBatch, loss_func: Any, forward_only: bool):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        mbs = micro_batches(batch, self.parallel.micro_batch_size)
+        mbs = micro_batches(batch.to(self.device), self.parallel.micro_batch_size)
         data: Any = iter(mbs)
         if len(model) > 1:  # virtual pipeline: one iterator per chunk
             data = [iter(mbs) for _ in model]
         return get_forward_backward_func()(
-            forward_step_func=make_forward_step(loss_func, self.ctx),
+            forward_step_func=make_forward_step(loss_func, self.ctx, self.device),
             data_iterator=data,
             model=model,
             num_microbatches=len(mbs),
@@ -164,8 +175,12 @@ class ReCoEngine:
         )
 
     def statistics(self, batch: RolloutBatch, reference: bool = False) -> dict[str, torch.Tensor]:
-        """Forward-only per-token ``logprob``, ``sum_p2``, ``entropy`` ``[B, S]`` (last stage;
-        ``{}`` elsewhere) of the current policy, or of the reference model."""
+        """Forward-only per-token ``logprob``, ``sum_p2``, ``entropy`` ``[B, S]`` on the CPU
+        (last stage; ``{}`` elsewhere) of the current policy, or of the reference model."""
+        return {k: v.cpu() for k, v in self._statistics(batch, reference).items()}
+
+    def _statistics(self, batch: RolloutBatch, reference: bool) -> dict[str, torch.Tensor]:
+        """:meth:`statistics` on ``self.device``."""
         model = self.ref_model if reference else self.model
         if model is None:
             raise RuntimeError("no reference model: it exists only when loss.kl_coef > 0")
@@ -180,16 +195,20 @@ class ReCoEngine:
         return {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
 
     def prepare(self, batch: RolloutBatch) -> tuple[RolloutBatch, dict[str, float]]:
-        """The old-policy pass, reference log-probs and response weights of a whole batch."""
+        """The old-policy pass, reference log-probs and response weights of a whole batch.
+
+        Returns the batch with ``old_logprobs``, ``old_sum_p2``, ``ref_logprobs`` and
+        ``weights`` filled, on the CPU, and the metrics of the pass."""
         metrics: dict[str, torch.Tensor] = {}
+        batch = batch.to(self.device)
         start = time.perf_counter()
-        stats = self.statistics(batch)
+        stats = self._statistics(batch, reference=False)
         elapsed = time.perf_counter() - start
         if not stats:
-            return batch, {"time_old_logprob": elapsed}
+            return batch.to("cpu"), {"time_old_logprob": elapsed}
         mask = batch.loss_mask
         old = stats["logprob"]
-        ref = self.statistics(batch, reference=True)["logprob"] if self.ref_model else None
+        ref = self._statistics(batch, reference=True)["logprob"] if self.ref_model else None
         weights = response_weights(
             old,
             mask,
@@ -215,7 +234,7 @@ class ReCoEngine:
         )
         out = reduce_metrics([metrics], weight_key="num_response_tokens/sum")
         out["time_old_logprob"] = elapsed
-        return prepared, out
+        return prepared.to("cpu"), out
 
     def grads_finite(self) -> bool:
         """Whether every gradient on every rank is finite (collective over the world)."""
@@ -229,17 +248,9 @@ class ReCoEngine:
                     ok.zero_()
                     break
         if dist.is_initialized() and dist.get_world_size() > 1:
-            ok = ok.to(self._device)
+            ok = ok.to(collective_device())
             dist.all_reduce(ok, op=dist.ReduceOp.MIN)
         return bool(ok.item() > 0)
-
-    @property
-    def _device(self) -> torch.device:
-        return (
-            torch.device("cuda", torch.cuda.current_device())
-            if self.on_gpu
-            else (torch.device("cpu"))
-        )
 
     def train_step(
         self, minibatch: RolloutBatch, guard: Callable[[dict[str, float], bool], str] | None = None

@@ -16,6 +16,8 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from reco_megatron.megatron.device import collective_device
+
 
 def _dp_group():
     from megatron.core import parallel_state as ps
@@ -69,7 +71,7 @@ def reduce_metrics(
             continue
         t = torch.tensor([values[n] for n in names], dtype=torch.float64)
         if group is not None and dist.get_world_size(group) > 1:
-            t = t.to(_device())
+            t = t.to(collective_device(group))
             dist.all_reduce(t, op=op, group=group)
         reduced.update(zip(names, t.tolist(), strict=True))
     total_weight = reduced.pop("__weight__", 0.0)
@@ -83,9 +85,3 @@ def reduce_metrics(
     if "loss_numerator" in out and "loss_denominator" in out:
         out["loss"] = out["loss_numerator"] / max(out["loss_denominator"], 1.0)
     return out
-
-
-def _device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

@@ -40,6 +40,7 @@ import torch
 
 from reco_megatron.algo import LossConfig, TokenStats, policy_loss
 from reco_megatron.megatron.batch import RolloutBatch
+from reco_megatron.megatron.device import check_on_device
 from reco_megatron.parallel import vocab_parallel_stats
 from reco_megatron.parallel.vocab_stats_kernels import Implementation
 
@@ -58,7 +59,7 @@ def denominator_share(mb: RolloutBatch, loss: LossConfig) -> torch.Tensor:
     """This micro-batch's share of the global normaliser: response tokens or sequences."""
     if loss.aggregation == "token_mean":
         return mb.loss_mask.sum().to(torch.int)
-    return torch.tensor(mb.num_sequences, dtype=torch.int)
+    return torch.tensor(mb.num_sequences, dtype=torch.int, device=mb.tokens.device)
 
 
 def _stats(mb: RolloutBatch, ctx: LossContext, logits: torch.Tensor) -> TokenStats:
@@ -115,7 +116,8 @@ def statistics_func(
         "sum_p2": stats.sum_p2.detach(),
         "entropy": stats.entropy.detach(),
     }
-    return torch.zeros((), device=logits.device), torch.zeros((), dtype=torch.int), out
+    zero = torch.zeros((), device=logits.device)
+    return zero, torch.zeros((), dtype=torch.int, device=logits.device), out
 
 
 def sft_loss_func(
@@ -136,12 +138,16 @@ def sft_loss_func(
 
 
 def make_forward_step(
-    loss_func: Callable[..., Any], ctx: LossContext
+    loss_func: Callable[..., Any], ctx: LossContext, device: torch.device
 ) -> Callable[[Iterator[RolloutBatch], Any], tuple[torch.Tensor, Callable[..., Any]]]:
-    """A ``forward_step_func`` for megatron's schedules running ``loss_func`` per micro-batch."""
+    """A ``forward_step_func`` for megatron's schedules running ``loss_func`` per micro-batch.
+
+    Every tensor of the micro-batch (the model's input and the loss's) must already be on
+    ``device``, the engine's: checked here, so a misplaced batch fails with its name."""
 
     def forward_step(data_iterator: Iterator[RolloutBatch], model: Any):
         mb = next(data_iterator)
+        check_on_device(vars(mb), device, "micro-batch entering the model")
         s = mb.seq_length
         position_ids = (
             torch.arange(s, device=mb.tokens.device).unsqueeze(0).expand(mb.num_sequences, s)

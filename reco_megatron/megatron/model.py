@@ -9,8 +9,13 @@ vocabulary padded to a multiple of ``make_vocab_size_divisible_by * TP``. The ou
 keeps ``parallel_output=True``: logits stay vocabulary-sharded, ``[B, S, V/TP]``, and the
 statistics op upcasts them chunk by chunk.
 
-On CPU the local (torch) layer spec is used; on GPU the transformer-engine spec when it
-imports, else the local one (logged).
+The layer spec and megatron's fusions are chosen together by :func:`layer_backend`: on GPU
+with transformer-engine importable, the TE spec with the fusions on; otherwise (CPU, or GPU
+without TE) megatron's local (torch) spec with every fusion off, since the local spec's torch
+norms refuse ``persist_layer_norm`` and the other fusions need kernels only TE/apex provide.
+With the local spec and bf16/fp16 parameters the torch norms are cast to the parameter dtype
+(megatron builds them in fp32), so ``rms_norm`` runs its fused kernel instead of warning about
+mismatched dtypes and falling back to the composite one.
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ import torch.nn.functional as F
 from reco_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)
+
+LayerBackend = Literal["transformer_engine", "local"]
+_warned: set[str] = set()
 
 Family = Literal["llama", "qwen2"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -129,6 +137,35 @@ class ModelConfig:
             )
 
 
+def _transformer_engine_importable() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def layer_backend(on_gpu: bool) -> LayerBackend:
+    """Which layer implementation the model uses: ``transformer_engine`` (TE spec + fusions)
+    on GPU when transformer-engine imports, else ``local`` (torch spec, no fusions).
+
+    The one place the choice is made: :func:`transformer_config` (fusions) and
+    :func:`build_model` (spec) both ask here, so they cannot disagree. Warns once per process
+    when a GPU run falls back to the local spec.
+    """
+    if not on_gpu:
+        return "local"
+    if _transformer_engine_importable():
+        return "transformer_engine"
+    if "no_te" not in _warned:
+        _warned.add("no_te")
+        logger.warning(
+            "transformer-engine is not importable: using megatron's local layer spec with no "
+            "fused kernels (slower on GPU; install the 'gpu' extra or use an NGC container)"
+        )
+    return "local"
+
+
 def transformer_config(model: ModelConfig, parallel: Any, on_gpu: bool) -> Any:
     """Megatron ``TransformerConfig`` for ``model`` under the parallel layout ``parallel``.
 
@@ -140,6 +177,7 @@ def transformer_config(model: ModelConfig, parallel: Any, on_gpu: bool) -> Any:
 
     model.check_tensor_parallel(parallel.tensor_model_parallel_size)
     dtype = DTYPES[model.params_dtype]
+    fused = layer_backend(on_gpu) == "transformer_engine"
     return TransformerConfig(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
@@ -167,30 +205,34 @@ def transformer_config(model: ModelConfig, parallel: Any, on_gpu: bool) -> Any:
         fp16=dtype == torch.float16,
         use_cpu_initialization=not on_gpu,
         calculate_per_token_loss=True,
-        # Fusions need CUDA kernels; on GPU megatron picks them from the TE spec.
-        bias_activation_fusion=on_gpu,
-        bias_dropout_fusion=on_gpu,
-        masked_softmax_fusion=on_gpu,
+        # Fusions only with the TE spec (layer_backend): the local spec's torch norms assert
+        # persist_layer_norm off, and its softmax/bias fusions need TE/apex kernels.
+        bias_activation_fusion=fused,
+        bias_dropout_fusion=fused,
+        masked_softmax_fusion=fused,
         gradient_accumulation_fusion=False,
         apply_rope_fusion=False,
-        persist_layer_norm=on_gpu,
+        persist_layer_norm=fused,
     )
 
 
-def _layer_spec(model: ModelConfig, on_gpu: bool) -> Any:
+def _layer_spec(on_gpu: bool) -> Any:
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
-    if on_gpu:
-        try:
-            import transformer_engine  # noqa: F401
-
-            return specs.get_gpt_layer_with_transformer_engine_spec()
-        except ImportError:
-            logger.warning(
-                "transformer-engine is not importable: using megatron's local layer spec "
-                "(slower on GPU; install the 'gpu' extra or use an NGC container)"
-            )
+    if layer_backend(on_gpu) == "transformer_engine":
+        return specs.get_gpt_layer_with_transformer_engine_spec()
     return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+def _norms_to_params_dtype(gpt: Any, dtype: torch.dtype) -> None:
+    """Cast the local spec's torch norms to the parameter dtype (megatron creates them in
+    torch's default fp32; with bf16 inputs ``rms_norm`` would warn and skip its fused kernel).
+    The optimizer keeps fp32 main weights of them as of every other bf16 parameter."""
+    if dtype == torch.float32:
+        return
+    for module in gpt.modules():
+        if isinstance(module, (torch.nn.RMSNorm, torch.nn.LayerNorm)):
+            module.to(dtype)
 
 
 def build_model(
@@ -207,7 +249,10 @@ def build_model(
         model: the architecture.
         config: the ``TransformerConfig`` from :func:`transformer_config`.
         pre_process / post_process: whether this chunk holds the embedding / the output layer.
-        on_gpu: pick the transformer-engine spec and CUDA placement.
+        on_gpu: whether the model will run on CUDA (with transformer-engine importable: the TE
+            spec, see :func:`layer_backend`). The chunk is returned where megatron built it
+            (CPU, or CUDA parameters without CPU initialisation); the engine moves it to its
+            device.
     """
     from reco_megatron.megatron.compat.versions import build_gpt_model
 
@@ -217,7 +262,7 @@ def build_model(
         kwargs.update(rope_scaling=True, rope_scaling_factor=model.rope_scaling_factor)
     gpt = build_gpt_model(
         config=config,
-        transformer_layer_spec=_layer_spec(model, on_gpu),
+        transformer_layer_spec=_layer_spec(on_gpu),
         vocab_size=model.padded_vocab_size(tp),
         max_sequence_length=model.max_position_embeddings,
         pre_process=pre_process,
@@ -228,6 +273,6 @@ def build_model(
         rotary_base=int(model.rotary_base),
         **kwargs,
     )
-    if on_gpu:
-        gpt.cuda(torch.cuda.current_device())
+    if layer_backend(on_gpu) == "local":
+        _norms_to_params_dtype(gpt, config.params_dtype)
     return gpt

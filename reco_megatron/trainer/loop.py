@@ -23,6 +23,7 @@ from reco_megatron.data.chat import PromptFormatter
 from reco_megatron.data.sampler import PromptSampler
 from reco_megatron.megatron.batch import data_parallel_groups, data_parallel_share
 from reco_megatron.megatron.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from reco_megatron.megatron.device import collective_device
 from reco_megatron.megatron.distributed import initialize_parallel, rank_layout
 from reco_megatron.megatron.engine import ReCoEngine
 from reco_megatron.rewards.pool import RewardPool
@@ -82,7 +83,9 @@ class Trainer:
             seed=cfg.trainer.seed,
         )
         self.converter = setup.hf_converter(cfg, on_gpu=self.engine.on_gpu)
-        self.rollout = build_rollout_engine(cfg, self.tokenizer, policy=self.engine)
+        self.rollout = build_rollout_engine(
+            cfg, self.tokenizer, self.engine.device, policy=self.engine
+        )
         self.rewards = RewardPool(cfg.reward) if self.layout.first_of_replica else None
         self.step = 0
         self.guard = StabilityGuard(cfg.stability)
@@ -178,7 +181,7 @@ class Trainer:
         group = self.layout.mp_group
         if dist.get_world_size(group) > 1:
             src = dist.get_global_rank(group, 0)
-            buf = scores.cuda() if self.engine.on_gpu else scores
+            buf = scores.to(collective_device(group))
             dist.broadcast(buf, src=src, group=group)
             scores = buf.cpu()
         return scores.float(), metrics
@@ -236,8 +239,7 @@ class Trainer:
     def _stop_requested(self, stop: StopSignal) -> bool:
         """Whether any rank received a stop signal (collective, so all ranks agree)."""
         flag = torch.tensor([1.0 if stop.received is not None else 0.0])
-        if self.engine.on_gpu:
-            flag = flag.cuda()
+        flag = flag.to(collective_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item() > 0)
 

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from reco_megatron.algo import diversity_metrics, pass_at_k
+from reco_megatron.megatron.device import collective_device
 
 
 def _mean(values: list[float]) -> float:
@@ -56,8 +57,7 @@ def global_row(
     last stage) averaged over the updates of this step, and the reward failure counters."""
     keys = sorted(local)
     t = torch.tensor([local[k] for k in keys], dtype=torch.float64)
-    if engine.on_gpu:
-        t = t.cuda()
+    t = t.to(collective_device(layout.dp_group))
     dist.all_reduce(t, group=layout.dp_group)
     t = t.cpu()
     s = dict(zip(keys, t.tolist(), strict=True))

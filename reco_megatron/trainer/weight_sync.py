@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from reco_megatron.megatron.device import compute_device
 from reco_megatron.megatron.hf.config import hf_config_from_model_config
 from reco_megatron.megatron.hf.converter import policy_hf_weights
 from reco_megatron.megatron.model import ModelConfig
@@ -63,9 +64,13 @@ class RolloutClient:
         self.engine.close()
 
 
-def build_rollout_engine(cfg: Any, tokenizer: Any, policy: Any = None) -> RolloutClient:
+def build_rollout_engine(
+    cfg: Any, tokenizer: Any, device: torch.device | str | None = None, policy: Any = None
+) -> RolloutClient:
     """The configured engine (``embedded``, ``vllm`` or ``megatron``) for the policy.
 
+    ``device``: where the embedded engine runs (the training engine's ``engine.device``;
+    None: :func:`~reco_megatron.megatron.device.compute_device`). vLLM places itself.
     ``policy`` is the trainer's :class:`reco_megatron.megatron.engine.ReCoEngine`; the
     ``megatron`` engine decodes on its chunks (required for it, unused by the others)."""
     r = cfg.rollout
@@ -85,14 +90,14 @@ def build_rollout_engine(cfg: Any, tokenizer: Any, policy: Any = None) -> Rollou
     if r.engine == "embedded":
         from reco_megatron.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
 
-        device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+        where = str(device if device is not None else compute_device())
         engine: RolloutEngine = EmbeddedEngine(
             hf_config,
             EmbeddedEngineConfig(
                 max_model_len=max_len,
                 max_batch_size=r.max_batch_size,
                 seed=cfg.trainer.seed,
-                device=device,
+                device=where,
                 eos_token_ids=eos,
             ),
         )

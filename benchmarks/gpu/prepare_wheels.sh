@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Download, on a machine with PyPI access, the wheels that benchmarks/gpu/check.sh installs on a
+# GPU machine without network: what such a machine (Python 3.12, torch, triton, transformers
+# already there) lacks. Pure downloads, no install; the folder is git-ignored.
+#
+#   bash benchmarks/gpu/prepare_wheels.sh [DEST]     # DEST defaults to .gpu-wheels/
+#
+# Then copy the checkout (with DEST) to the GPU machine and run benchmarks/gpu/check.sh there.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+DEST=${1:-.gpu-wheels}
+PY=${PY:-python3}
+LIMIT_MIB=64
+
+# name==version, one per line: the versions CI tests with (keep in step with .ci/run).
+WHEELS=(
+  "megatron-core==0.19.2"          # the engine (the GPU image has none)
+  "math-verify==0.9.0"             # math rewards ...
+  "latex2sympy2_extended==1.11.0"  # ... and its two dependencies
+  "antlr4-python3-runtime==4.13.2"
+  "liger-kernel==0.8.5"            # fused-loss baseline for the stats-op benchmark
+  "pytest==9.2.0"                  # pytest -m gpu, with its two dependencies
+  "pluggy==1.7.0"
+  "iniconfig==2.3.1"
+)
+
+mkdir -p "$DEST"
+"$PY" -m pip download --quiet --only-binary=:all: --no-deps \
+  --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
+  -d "$DEST" "${WHEELS[@]}"
+
+total_kib=$(du -sk "$DEST" | cut -f1)
+printf '%s\n' "$DEST:" && ls -l "$DEST"
+printf 'total: %d KiB (%.1f MiB; limit %d MiB)\n' "$total_kib" "$(echo "$total_kib / 1024" | bc -l)" "$LIMIT_MIB"
+if [ "$total_kib" -gt $((LIMIT_MIB * 1024)) ]; then
+  echo "the wheels exceed ${LIMIT_MIB} MiB: the device machine cannot take them" >&2
+  exit 1
+fi
