@@ -28,7 +28,13 @@ from typing import Any, Protocol
 import torch
 
 from reco_megatron.rollout.base import Completion, RolloutEngine, SamplingArg
-from reco_megatron.rollout.sampling import call_seed, draw_noise, group_by_setting, sample_next
+from reco_megatron.rollout.sampling import (
+    SeededCalls,
+    call_seed,
+    draw_noise,
+    group_by_setting,
+    sample_next,
+)
 from reco_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -86,7 +92,7 @@ class MegatronEngineConfig:
         self.eos_token_ids = tuple(int(t) for t in self.eos_token_ids)
 
 
-class MegatronEngine(RolloutEngine):
+class MegatronEngine(SeededCalls, RolloutEngine):
     """Generation with the trainer's own megatron-core model through a :class:`ModelDecoder`.
 
     Collective: every rank of a model-parallel group (TP x PP) must call :meth:`generate` with
@@ -232,20 +238,6 @@ class MegatronEngine(RolloutEngine):
         if not self._closed:
             self.decoder.free_cache()
             self._closed = True
-
-    def state_dict(self) -> dict[str, Any]:
-        """``{"seed", "call_index"}``: enough to replay the sampler exactly after a resume."""
-        return {"seed": self._seed, "call_index": self._calls}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`; the next call samples as the saved engine would have."""
-        missing = {"seed", "call_index"} - set(state)
-        if missing:
-            raise ValueError(f"sampler state lacks {sorted(missing)}; got keys {sorted(state)}")
-        seed, calls = state["seed"], state["call_index"]
-        if not isinstance(seed, int) or not isinstance(calls, int) or calls < 0:
-            raise ValueError(f"bad sampler state {dict(state)!r}: seed int, call_index int >= 0")
-        self._seed, self._calls = seed, calls
 
     def _check_open(self) -> None:
         if self._closed:
