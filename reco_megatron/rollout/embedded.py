@@ -43,7 +43,13 @@ from reco_megatron.rollout.base import (
     SamplingArg,
     SamplingParams,
 )
-from reco_megatron.rollout.sampling import call_seed, draw_noise, group_by_setting, sample_next
+from reco_megatron.rollout.sampling import (
+    SeededCalls,
+    call_seed,
+    draw_noise,
+    group_by_setting,
+    sample_next,
+)
 from reco_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -121,7 +127,7 @@ def _build_model(hf_config: Any, cfg: EmbeddedEngineConfig) -> torch.nn.Module:
     return model.to(cfg.device).eval()
 
 
-class EmbeddedEngine(RolloutEngine):
+class EmbeddedEngine(SeededCalls, RolloutEngine):
     """``transformers`` generation with a KV cache and a controlled sampler RNG.
 
     ``hf_config`` is the policy's Hugging Face config (a dict with ``model_type`` or a
@@ -357,20 +363,6 @@ class EmbeddedEngine(RolloutEngine):
         if not self._closed:
             self.model = None  # type: ignore[assignment]
             self._closed = True
-
-    def state_dict(self) -> dict[str, Any]:
-        """``{"seed", "call_index"}``: enough to replay the sampler exactly after a resume."""
-        return {"seed": self._seed, "call_index": self._calls}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`; the next call samples as the saved engine would have."""
-        missing = {"seed", "call_index"} - set(state)
-        if missing:
-            raise ValueError(f"sampler state lacks {sorted(missing)}; got keys {sorted(state)}")
-        seed, calls = state["seed"], state["call_index"]
-        if not isinstance(seed, int) or not isinstance(calls, int) or calls < 0:
-            raise ValueError(f"bad sampler state {dict(state)!r}: seed int, call_index int >= 0")
-        self._seed, self._calls = seed, calls
 
     def _check_open(self) -> None:
         if self._closed:

@@ -9,7 +9,9 @@ the temperature-scaled *untruncated* distribution (the trainer's convention, see
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from dataclasses import replace
+from typing import Any
 
 import torch
 
@@ -76,6 +78,29 @@ def call_seed(base_seed: int, call_index: int) -> int:
     """Seed of call ``call_index`` of an engine seeded ``base_seed`` (stable across runs)."""
     digest = hashlib.sha256(f"{base_seed}:{call_index}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
+
+
+class SeededCalls:
+    """The sampler state of an engine seeded ``_seed`` that made ``_calls`` calls (call ``k``
+    without a per-prompt seed draws from :func:`call_seed`); put it before
+    :class:`~reco_megatron.rollout.base.RolloutEngine` in the bases."""
+
+    _seed: int
+    _calls: int
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"seed", "call_index"}``: enough to replay the sampler exactly after a resume."""
+        return {"seed": self._seed, "call_index": self._calls}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`; the next call samples as the saved engine would have."""
+        missing = {"seed", "call_index"} - set(state)
+        if missing:
+            raise ValueError(f"sampler state lacks {sorted(missing)}; got keys {sorted(state)}")
+        seed, calls = state["seed"], state["call_index"]
+        if not isinstance(seed, int) or not isinstance(calls, int) or calls < 0:
+            raise ValueError(f"bad sampler state {dict(state)!r}: seed int, call_index int >= 0")
+        self._seed, self._calls = seed, calls
 
 
 def draw_noise(params: list[SamplingParams], n: int, default_seed: int) -> list[torch.Tensor]:

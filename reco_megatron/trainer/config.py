@@ -27,8 +27,10 @@ from reco_megatron.trainer.guards import StabilityConfig
 class RolloutConfig:
     """Sampling of G responses per prompt."""
 
-    engine: Literal["embedded", "vllm"] = "embedded"
-    """``embedded`` (transformers on CPU/GPU, the debug default) or ``vllm`` (GPU)."""
+    engine: Literal["embedded", "vllm", "megatron"] = "embedded"
+    """``embedded`` (transformers on CPU/GPU, the debug default), ``vllm`` (GPU, the largest
+    jobs where vLLM is installed) or ``megatron`` (megatron-core decoding on the trainer's own
+    chunks and TP/PP layout: no weight conversion; docs/rollout.md)."""
     group_size: int = 8
     """G, responses per prompt (the paper: 8)."""
     prompts_per_step: int = 8
@@ -43,9 +45,19 @@ class RolloutConfig:
     """Longest prompt in tokens (rows above it are an error or a counted skip)."""
     gpu_memory_utilization: float = 0.5
     """vLLM only: fraction of GPU memory for weights + KV cache when colocated."""
+    max_batch_size: int = 64
+    """Embedded and megatron engines: rows (prompt copies) per forward. Bounds memory (the
+    megatron engine's KV cache holds this many rows of ``max_prompt_len + max_new_tokens``);
+    never changes the samples."""
 
     def __post_init__(self) -> None:
-        for name in ("group_size", "prompts_per_step", "max_new_tokens", "max_prompt_len"):
+        for name in (
+            "group_size",
+            "prompts_per_step",
+            "max_new_tokens",
+            "max_prompt_len",
+            "max_batch_size",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"rollout.{name} must be a positive integer, got {value!r}")
@@ -210,4 +222,31 @@ class TrainConfig:
                 f"rollout.max_prompt_len + rollout.max_new_tokens = {need} exceeds "
                 f"model.max_position_embeddings={self.model.max_position_embeddings}: shorten "
                 "them or raise the model's limit"
+            )
+        if self.rollout.engine == "megatron":
+            self._check_megatron_rollout()
+
+    def _check_megatron_rollout(self) -> None:
+        """What the megatron engine cannot do, caught before any process group starts."""
+        p = self.parallel
+        if p.virtual_pipeline_model_parallel_size is not None:
+            raise ValueError(
+                "rollout.engine=megatron decodes on one model chunk per pipeline stage; "
+                f"parallel.virtual_pipeline_model_parallel_size="
+                f"{p.virtual_pipeline_model_parallel_size} is not supported: set it to null or "
+                "use rollout.engine=embedded"
+            )
+        if p.context_parallel_size > 1 or p.sequence_parallel:
+            raise ValueError(
+                "rollout.engine=megatron does not decode with context_parallel_size > 1 or "
+                "sequence_parallel=true (megatron-core's static inference path supports "
+                "neither for dense models): set them to 1/false or use rollout.engine=vllm"
+            )
+        mp = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
+        if self.eval.interval and mp > 1:
+            raise ValueError(
+                f"eval.interval={self.eval.interval} with rollout.engine=megatron and TP x PP = "
+                f"{mp}: coverage evaluation generates on global rank 0 alone, but the megatron "
+                "engine is collective over the model-parallel group; set eval.interval=0 (and "
+                "run reco-eval on a checkpoint) or use rollout.engine=embedded"
             )

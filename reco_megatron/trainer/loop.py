@@ -83,7 +83,9 @@ class Trainer:
             seed=cfg.trainer.seed,
         )
         self.converter = setup.hf_converter(cfg, on_gpu=self.engine.on_gpu)
-        self.rollout = build_rollout_engine(cfg, self.tokenizer, self.engine.device)
+        self.rollout = build_rollout_engine(
+            cfg, self.tokenizer, self.engine.device, policy=self.engine
+        )
         self.rewards = RewardPool(cfg.reward) if self.layout.first_of_replica else None
         self.step = 0
         self.guard = StabilityGuard(cfg.stability)

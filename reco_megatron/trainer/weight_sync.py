@@ -11,6 +11,9 @@ One step with a colocated engine: ``generate`` -> :meth:`RolloutClient.sleep` (v
 weights to host, KV cache freed) -> old-logprob pass and optimizer steps ->
 :func:`sync_weights` (:meth:`RolloutClient.refit`: wake the weights, push them verified, reset
 the prefix cache, wake the KV cache).
+
+The ``megatron`` engine decodes on the trainer's own chunks: its sleep frees the KV cache and
+its refit carries no tensors (no conversion, nothing to check).
 """
 
 from __future__ import annotations
@@ -90,12 +93,14 @@ class RolloutClient:
 
 
 def build_rollout_engine(
-    cfg: Any, tokenizer: Any, device: torch.device | str | None = None
+    cfg: Any, tokenizer: Any, device: torch.device | str | None = None, policy: Any = None
 ) -> RolloutClient:
-    """The configured engine (``embedded`` or ``vllm``) for the policy architecture.
+    """The configured engine (``embedded``, ``vllm`` or ``megatron``) for the policy.
 
     ``device``: where the embedded engine runs (the training engine's ``engine.device``;
-    None: :func:`~reco_megatron.megatron.device.compute_device`). vLLM places itself."""
+    None: :func:`~reco_megatron.megatron.device.compute_device`). vLLM places itself.
+    ``policy`` is the trainer's :class:`reco_megatron.megatron.engine.ReCoEngine`; the
+    ``megatron`` engine decodes on its chunks (required for it, unused by the others)."""
     r = cfg.rollout
     eos = (tokenizer.eos_id,)
     sampling = SamplingParams(
@@ -109,6 +114,8 @@ def build_rollout_engine(
     hf_config["eos_token_id"] = tokenizer.eos_id
     hf_config["pad_token_id"] = tokenizer.pad_id
     max_len = r.max_prompt_len + r.max_new_tokens
+    if r.engine == "megatron":
+        return RolloutClient(_megatron_engine(cfg, policy, max_len, eos), sampling)
     if r.engine == "embedded":
         from reco_megatron.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
 
@@ -116,7 +123,11 @@ def build_rollout_engine(
         engine: RolloutEngine = EmbeddedEngine(
             hf_config,
             EmbeddedEngineConfig(
-                max_model_len=max_len, seed=cfg.trainer.seed, device=where, eos_token_ids=eos
+                max_model_len=max_len,
+                max_batch_size=r.max_batch_size,
+                seed=cfg.trainer.seed,
+                device=where,
+                eos_token_ids=eos,
             ),
         )
     else:
@@ -170,6 +181,24 @@ def warn_if_colocation_overflows(cfg: Any) -> list[str]:
     return messages
 
 
+def _megatron_engine(cfg: Any, policy: Any, max_len: int, eos: tuple[int, ...]) -> RolloutEngine:
+    """The megatron engine on ``policy``'s chunks (it satisfies the protocol structurally:
+    ``reco_megatron.rollout`` never imports megatron, the adapter takes the decoder)."""
+    from reco_megatron.megatron.rollout_engine import MegatronDecoder
+    from reco_megatron.rollout.megatron_engine import MegatronEngine, MegatronEngineConfig
+
+    if policy is None:
+        raise ValueError("rollout.engine=megatron needs the trainer's engine (policy=...)")
+    decoder = MegatronDecoder(
+        policy.unwrapped(),
+        vocab_size=cfg.model.vocab_size,
+        max_model_len=max_len,
+        max_batch_size=cfg.rollout.max_batch_size,
+        pad_id=eos[0],
+    )
+    return MegatronEngine(decoder, MegatronEngineConfig(seed=cfg.trainer.seed, eos_token_ids=eos))
+
+
 def write_rollout_model_dir(cfg: Any, hf_config: dict[str, Any]) -> Path:
     """``<output_dir>/rollout_model/config.json``: the policy architecture vLLM builds (with
     dummy weights, replaced by the first :func:`sync_weights`). Written by global rank 0."""
@@ -194,5 +223,10 @@ def sync_weights(
     (:meth:`RolloutClient.refit`; the engine may be asleep or awake).
 
     ``converter`` is the resolved ``checkpoint.hf_converter``
-    (:func:`reco_megatron.megatron.hf.converter.choose_converter`)."""
+    (:func:`reco_megatron.megatron.hf.converter.choose_converter`). An engine that generates
+    with the trainer's own weights (``uses_trainer_weights``) gets an empty stream: no export.
+    """
+    if getattr(rollout.engine, "uses_trainer_weights", False):
+        rollout.refit(iter(()))
+        return
     rollout.refit(policy_hf_weights(engine.unwrapped(), model_cfg, converter))

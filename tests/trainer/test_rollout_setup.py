@@ -20,3 +20,27 @@ def test_rollout_model_dir_describes_the_policy(tmp_path: Path) -> None:
     back = model_config_from_hf(out, make_vocab_size_divisible_by=64)
     assert back.hidden_size == cfg.model.hidden_size
     assert back.query_groups == cfg.model.query_groups
+
+
+def test_megatron_rollout_rejects_what_it_cannot_decode_at_config_time(tmp_path: Path) -> None:
+    import pytest
+
+    base = ["rollout.engine=megatron", f"trainer.output_dir={tmp_path}"]
+    cfg = load_config(TrainConfig, "examples/tiny_cpu.yaml", base)
+    assert cfg.rollout.engine == "megatron"
+    bad = {
+        "virtual_pipeline": [
+            "parallel.pipeline_model_parallel_size=2",
+            "parallel.virtual_pipeline_model_parallel_size=2",
+        ],
+        "eval.interval": ["parallel.tensor_model_parallel_size=2", "eval.interval=5"],
+    }
+    for needle, overrides in bad.items():
+        with pytest.raises(ValueError, match=needle):
+            load_config(TrainConfig, "examples/tiny_cpu.yaml", [*base, *overrides])
+    # the same layouts are fine with the embedded engine
+    load_config(
+        TrainConfig,
+        "examples/tiny_cpu.yaml",
+        [f"trainer.output_dir={tmp_path}", *bad["eval.interval"]],
+    )

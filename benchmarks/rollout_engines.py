@@ -1,0 +1,220 @@
+"""Benchmark: rollout throughput of the megatron engine and the embedded engine, side by side.
+
+Both engines decode the same prompts with the same per-prompt seeds in one process: the
+``megatron`` engine on the megatron-core ``GPTModel`` (static KV cache, the trainer's model
+code), the ``embedded`` engine on the ``transformers`` model built from the same config and
+loaded with the same weights through the HF export (the path the trainer uses). Weights are
+random and eos is disabled, so every response is exactly ``--new-tokens`` long and both arms
+do the same work. Reported per arm: generated tokens, wall time after a warm-up, tokens/s, peak
+device memory; and, over the prompts both arms decoded, the fraction of identical responses
+and the largest log-prob gap on the common prefix (bf16: responses diverge after a few tokens
+on random weights, fp32 CPU: identical).
+
+The embedded arm can run on the first ``--embedded-prompts`` prompts only (it is slow on
+large jobs); both arms decode in chunks of ``--max-batch-size`` rows, so its tokens/s is that
+of the same chunk shape.
+
+Run::
+
+    python benchmarks/rollout_engines.py --smoke              # CPU, seconds (tiny_cpu.yaml model)
+    python benchmarks/rollout_engines.py --gpu-1b --out rollout_engines.json   # GPU device check:
+        # a ~1.2B Llama-3.2-1B-shaped model in bf16, 256 prompts x G 8 x 512 new tokens
+
+Not run on a GPU yet (no device was lent to the session that wrote it); ``--smoke`` runs on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import time
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from reco_megatron.megatron.distributed import ParallelConfig, initialize_parallel
+from reco_megatron.megatron.hf.config import hf_config_from_model_config
+from reco_megatron.megatron.hf.converter import policy_hf_weights
+from reco_megatron.megatron.model import ModelConfig, build_model, transformer_config
+from reco_megatron.megatron.rollout_engine import MegatronDecoder
+from reco_megatron.rollout import EmbeddedEngine, EmbeddedEngineConfig, SamplingParams
+from reco_megatron.rollout.megatron_engine import MegatronEngine, MegatronEngineConfig
+
+GPU_1B = dict(  # Llama-3.2-1B shapes
+    num_layers=16,
+    hidden_size=2048,
+    ffn_hidden_size=8192,
+    num_attention_heads=32,
+    num_query_groups=8,
+    vocab_size=128256,
+    rotary_base=500000.0,
+    tie_word_embeddings=True,
+    params_dtype="bfloat16",
+)
+SMOKE = dict(  # examples/tiny_cpu.yaml
+    num_layers=4,
+    hidden_size=128,
+    ffn_hidden_size=352,
+    num_attention_heads=4,
+    num_query_groups=2,
+    vocab_size=128,
+    make_vocab_size_divisible_by=64,
+)
+
+
+def _arguments() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny CPU sizes (4 x 2 x 8)")
+    parser.add_argument("--gpu-1b", action="store_true", help="~1.2B bf16, 256 x 8 x 512")
+    parser.add_argument("--prompts", type=int, default=None)
+    parser.add_argument("--group", type=int, default=None)
+    parser.add_argument("--new-tokens", type=int, default=None)
+    parser.add_argument("--prompt-len", type=int, nargs=2, default=(64, 128), metavar=("LO", "HI"))
+    parser.add_argument("--max-batch-size", type=int, default=None)
+    parser.add_argument("--embedded-prompts", type=int, default=None, help="default: all")
+    parser.add_argument("--arms", default="megatron,embedded")
+    parser.add_argument("--reps", type=int, default=None, help="timed calls per arm (median)")
+    parser.add_argument("--dtype", default=None, help="override the preset's params_dtype")
+    parser.add_argument("--out", default="", help="also write the result as JSON here")
+    args = parser.parse_args()
+    if args.smoke == args.gpu_1b:
+        parser.error("pass exactly one of --smoke / --gpu-1b")
+    sizes = (4, 2, 8, 8, None) if args.smoke else (256, 8, 512, 256, 32)
+    for name, value in zip(
+        ("prompts", "group", "new_tokens", "max_batch_size", "embedded_prompts"), sizes, strict=True
+    ):
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.reps is None:
+        args.reps = 3 if args.smoke else 1
+    if args.smoke:
+        args.prompt_len = (8, 16)
+    return args
+
+
+def _prompts(n: int, lo: int, hi: int, vocab: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(1)
+    lengths = torch.randint(lo, hi + 1, (n,), generator=gen)
+    return [torch.randint(3, vocab, (int(k),), generator=gen).tolist() for k in lengths]
+
+
+def _timed(engine: Any, prompts: list[list[int]], group: int, params: list[Any], reps: int) -> Any:
+    """Warm up, then ``reps`` timed calls; the median wall time counts."""
+    engine.generate(prompts[:2], 1, [replace(p, max_new_tokens=4) for p in params[:2]])
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    walls = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        out = engine.generate(prompts, group, params)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        walls.append(time.perf_counter() - start)
+    wall = statistics.median(walls)
+    tokens = sum(len(c.token_ids) for g in out for c in g)
+    peak = (
+        torch.cuda.max_memory_allocated() / 2**30
+        if torch.cuda.is_available()
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    )
+    return out, {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "peak_gib": peak}
+
+
+def main() -> None:
+    args = _arguments()
+    preset = dict(SMOKE if args.smoke else GPU_1B)
+    if args.dtype:
+        preset["params_dtype"] = args.dtype
+    model_cfg = ModelConfig(**preset, max_position_embeddings=args.prompt_len[1] + args.new_tokens)
+    parallel = ParallelConfig()
+    initialize_parallel(parallel, seed=1234)
+    on_gpu = torch.cuda.is_available()
+    config = transformer_config(model_cfg, parallel, on_gpu)
+    model = build_model(model_cfg, config, pre_process=True, post_process=True, on_gpu=on_gpu)
+    max_len = model_cfg.max_position_embeddings
+    prompts = _prompts(args.prompts, *args.prompt_len, model_cfg.vocab_size)
+    params = [
+        SamplingParams(max_new_tokens=args.new_tokens, seed=1000 + i) for i in range(len(prompts))
+    ]
+    result: dict[str, Any] = {
+        "device": torch.cuda.get_device_name() if on_gpu else "cpu",
+        "model": {k: getattr(model_cfg, k) for k in ("num_layers", "hidden_size", "vocab_size")},
+        "params_b": sum(p.numel() for p in model.parameters()) / 1e9,
+        "dtype": model_cfg.params_dtype,
+        "prompts": args.prompts,
+        "group": args.group,
+        "new_tokens": args.new_tokens,
+        "max_batch_size": args.max_batch_size,
+        "reps": args.reps,
+    }
+    outs = {}
+    arms = args.arms.split(",")
+    if "megatron" in arms:
+        decoder = MegatronDecoder(
+            [model],
+            vocab_size=model_cfg.vocab_size,
+            max_model_len=max_len,
+            max_batch_size=args.max_batch_size,
+        )
+        engine = MegatronEngine(
+            decoder, MegatronEngineConfig(eos_token_ids=(), release_cache_after_generate=False)
+        )
+        outs["megatron"], result["megatron"] = _timed(
+            engine, prompts, args.group, params, args.reps
+        )
+        result["megatron"]["kv_cache_gib"] = decoder.kv_cache_bytes() / 2**30
+        engine.close()
+    if "embedded" in arms:
+        hf = hf_config_from_model_config(model_cfg)
+        hf["eos_token_id"] = None
+        emb = EmbeddedEngine(
+            hf,
+            EmbeddedEngineConfig(
+                max_model_len=max_len,
+                max_batch_size=args.max_batch_size,
+                eos_token_ids=(),
+                device=f"cuda:{torch.cuda.current_device()}" if on_gpu else "cpu",
+                dtype=model_cfg.params_dtype,
+            ),
+        )
+        emb.update_weights(policy_hf_weights([model], model_cfg))
+        k = args.embedded_prompts or len(prompts)
+        outs["embedded"], result["embedded"] = _timed(
+            emb, prompts[:k], args.group, params[:k], args.reps
+        )
+        result["embedded"]["prompts"] = k
+        emb.close()
+    if len(outs) == 2:
+        pairs = [
+            (a, b)
+            for ga, gb in zip(outs["megatron"], outs["embedded"], strict=False)
+            for a, b in zip(ga, gb, strict=True)
+        ]
+        result["same_responses_frac"] = sum(a.token_ids == b.token_ids for a, b in pairs) / len(
+            pairs
+        )
+        gaps = []
+        for a, b in pairs:
+            for ta, tb, la, lb in zip(
+                a.token_ids, b.token_ids, a.logprobs, b.logprobs, strict=True
+            ):
+                gaps.append(abs(la - lb))
+                if ta != tb:
+                    break
+        result["max_logprob_gap_common_prefix"] = max(gaps)
+        result["speedup_megatron_over_embedded"] = (
+            result["megatron"]["tokens_per_s"] / result["embedded"]["tokens_per_s"]
+        )
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

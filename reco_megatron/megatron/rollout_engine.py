@@ -1,0 +1,242 @@
+"""Decoding on the trainer's own megatron-core model chunks (the ``megatron`` rollout engine).
+
+:class:`MegatronDecoder` runs an autoregressive loop on the ``GPTModel`` chunk the trainer
+trains, at the trainer's TP/PP layout, with megatron-core's static KV cache
+(``megatron.core.inference.contexts.StaticInferenceContext``): the model's own inference path
+(``GPTModel.forward(..., inference_context=ctx)``: the cache append, the RoPE slicing and the
+``no_mask`` decode attention are megatron's code). No weight conversion, no second copy of the
+model: generation reads the live parameters, so a "weight sync" is only a cache reset.
+
+Why our loop and not megatron's ``TextGenerationController`` (which we ran on CPU, see
+``docs/rollout.md``): the controller draws every token of a batch from one ``torch.Generator``
+seeded once per controller, takes one ``SamplingParams`` and one termination id for the whole
+batch, and reports ``log_softmax(logits)`` before temperature; our protocol needs one random
+stream per prompt, per-prompt settings, several stop ids, and log-probs of the
+temperature-scaled distribution. The decoder therefore leaves sampling to a callback (the
+rollout layer's :func:`reco_megatron.rollout.sampling.sample_next`, handed in by the adapter;
+this module never imports the rollout layer) and only does what needs megatron.
+
+Batching follows megatron's static engine: prompts are *right*-padded, the prefill runs up to
+the shortest prompt of the chunk, and every later step feeds one position per row -- a row whose
+prompt is longer feeds its next prompt token (and ignores the sample) until its prompt is
+consumed. Every row therefore attends to exactly its own tokens at their true positions, with
+only megatron's causal mask (no padding mask, which the Transformer Engine kernels would not
+take from us), and a row's ``t``-th response token always uses uniform ``noise[row, t]``.
+
+Pipeline parallelism: each stage receives the previous stage's hidden states ``[s, b, h]``
+(point-to-point over the pipeline group), the last stage samples, and the sampled tokens and
+log-probs are broadcast to every stage so all ranks of the replica hold the same completions.
+Tensor-parallel ranks run the same rows; logits are gathered over TP
+(``runtime_gather_output=True``), so every TP rank samples the same tokens from the same noise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from reco_megatron.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+SampleFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+"""``sample(logits [b, V] fp32, uniforms [b] fp64) -> (tokens [b] long, logprobs [b] fp32)``."""
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """One row's result: response tokens, their log-probs, and whether a stop id ended it."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    stopped: bool
+
+
+class MegatronDecoder:
+    """KV-cached decoding on one pipeline stage's ``GPTModel`` (unwrapped from DDP).
+
+    Args:
+        chunks: the trainer's model chunks of this stage (``ReCoEngine.unwrapped()``); exactly
+            one (the interleaved/virtual pipeline is not supported for decoding).
+        vocab_size: the true vocabulary (logits beyond it are Megatron's padding, dropped).
+        max_model_len: longest ``prompt + response``; sizes the KV cache.
+        max_batch_size: rows per forward; sizes the KV cache.
+        pad_id: token fed by rows that already finished (never read: it follows the stop).
+    """
+
+    def __init__(
+        self,
+        chunks: Sequence[Any],
+        *,
+        vocab_size: int,
+        max_model_len: int,
+        max_batch_size: int,
+        pad_id: int = 0,
+    ) -> None:
+        from megatron.core import parallel_state as ps
+
+        if len(chunks) != 1:
+            raise ValueError(
+                f"the megatron rollout engine decodes on one model chunk per stage, got "
+                f"{len(chunks)} (virtual pipeline): set "
+                "parallel.virtual_pipeline_model_parallel_size=null or use rollout.engine=embedded"
+            )
+        self.model = chunks[0]
+        self.config = self.model.config
+        self.vocab_size = int(vocab_size)
+        self.max_model_len = int(max_model_len)
+        self.max_batch_size = int(max_batch_size)
+        self.pad_id = int(pad_id)
+        self.pp_group = ps.get_pipeline_model_parallel_group()
+        self.pp_size = ps.get_pipeline_model_parallel_world_size()
+        self.first_stage = ps.is_pipeline_first_stage(ignore_virtual=True)
+        self.last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
+        ranks = dist.get_process_group_ranks(self.pp_group) if self.pp_size > 1 else [0]
+        stage = ps.get_pipeline_model_parallel_rank()
+        self._prev_rank = ranks[stage - 1] if stage > 0 else None
+        self._next_rank = ranks[stage + 1] if stage + 1 < len(ranks) else None
+        self._last_rank = ranks[-1]
+        self.device = next(self.model.parameters()).device
+        self._context: Any = None
+
+    # ----------------------------------------------------------------- the KV cache
+    @property
+    def context(self) -> Any:
+        """The static inference context (built on first use; holds the KV cache)."""
+        if self._context is None:
+            from megatron.core.inference.contexts import StaticInferenceContext
+
+            self._context = StaticInferenceContext(self.max_batch_size, self.max_model_len)
+        return self._context
+
+    def kv_cache_bytes(self) -> int:
+        """Bytes held by the KV cache now (0 after :meth:`free_cache`)."""
+        if self._context is None:
+            return 0
+        total = 0
+        for pair in self._context.key_value_memory_dict.values():
+            total += sum(t.numel() * t.element_size() for t in pair)
+        return total
+
+    def free_cache(self) -> None:
+        """Drop the KV cache; the next forward re-allocates it (megatron allocates each layer's
+        ``[max_model_len, max_batch_size, kv_heads/TP, head_dim]`` keys and values lazily)."""
+        if self._context is not None:
+            self._context.key_value_memory_dict.clear()
+            self._context.reset()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # ----------------------------------------------------------------- one forward
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        """Logits ``[b, V]`` (fp32, true vocabulary) of the last fed position on the last
+        stage, ``None`` elsewhere. ``tokens``/``positions``: ``[b, s]``."""
+        ctx = self.context
+        b, s = tokens.shape
+        recv = None
+        if not self.first_stage:
+            dtype = self.config.pipeline_dtype or self.config.params_dtype
+            recv = torch.empty(s, b, self.config.hidden_size, dtype=dtype, device=self.device)
+            dist.recv(recv, src=self._prev_rank, group=self.pp_group)
+        self.model.set_input_tensor(recv)
+        out = self.model(tokens, positions, None, inference_context=ctx, runtime_gather_output=True)
+        ctx.increment_sequence_len_offset(s)
+        if not self.last_stage:
+            dist.send(out.contiguous(), dst=self._next_rank, group=self.pp_group)
+            return None
+        return out[:, -1, : self.vocab_size].float()
+
+    def _share(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The last stage's sampled tokens and log-probs on every stage."""
+        if self.pp_size == 1:
+            return tokens, logprobs
+        box = torch.stack([tokens.double(), logprobs.double()]).to(self.device)
+        dist.broadcast(box, src=self._last_rank, group=self.pp_group)
+        return box[0].long(), box[1].float()
+
+    # ----------------------------------------------------------------- the loop
+    @torch.no_grad()
+    def decode(
+        self,
+        prompts: Sequence[Sequence[int]],
+        noise: torch.Tensor,
+        stop_ids: Sequence[int],
+        sample: SampleFn,
+    ) -> list[Decoded]:
+        """Decode ``len(prompts) <= max_batch_size`` rows (collective over TP and PP).
+
+        ``noise``: ``[b, max_new_tokens]`` uniforms; row ``r``'s ``t``-th response token is
+        drawn with ``noise[r, t]`` by ``sample``. Every rank of the model-parallel group must
+        call this with the same arguments. Returns one :class:`Decoded` per row.
+        """
+        b, max_new = noise.shape
+        if b != len(prompts) or not 0 < b <= self.max_batch_size:
+            raise ValueError(
+                f"{len(prompts)} prompts with noise {tuple(noise.shape)}: need one noise row per "
+                f"prompt and 1..max_batch_size={self.max_batch_size} rows"
+            )
+        lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+        total = int(lengths.max()) + max_new
+        if total > self.max_model_len:
+            raise ValueError(
+                f"longest prompt {int(lengths.max())} + max_new_tokens {max_new} = {total} > "
+                f"max_model_len {self.max_model_len}"
+            )
+        buf = torch.full((b, total), self.pad_id, dtype=torch.long)
+        for r, p in enumerate(prompts):
+            buf[r, : len(p)] = torch.tensor(list(p), dtype=torch.long)
+        stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.long)
+        out_tok = torch.zeros(b, max_new, dtype=torch.long)
+        out_lp = torch.zeros(b, max_new, dtype=torch.float32)
+        count = torch.zeros(b, dtype=torch.long)
+        stopped = torch.zeros(b, dtype=torch.bool)
+        rows = torch.arange(b)
+
+        was_training = self.model.training
+        self.model.eval()
+        ctx = self.context
+        ctx.reset()
+        start, end = 0, int(lengths.min())
+        try:
+            while True:
+                step_tokens = buf[:, start:end].to(self.device)
+                positions = torch.arange(start, end, device=self.device).expand(b, -1)
+                logits = self._forward(step_tokens, positions)
+                active = (lengths <= end) & ~stopped & (count < max_new)
+                if self.last_stage:
+                    uniforms = noise[rows, count.clamp(max=max_new - 1)]
+                    tok, logp = sample(logits, uniforms.to(logits.device))
+                    tok, logp = tok.cpu(), logp.float().cpu()
+                else:
+                    tok = torch.empty(b, dtype=torch.long)
+                    logp = torch.empty(b, dtype=torch.float32)
+                tok, logp = self._share(tok, logp)
+                tok, logp = tok.cpu(), logp.cpu()
+                idx = rows[active]
+                out_tok[idx, count[idx]] = tok[idx]
+                out_lp[idx, count[idx]] = logp[idx]
+                buf[idx, end] = tok[idx]
+                count[idx] += 1
+                stopped[idx] |= torch.isin(tok[idx], stops)
+                done = stopped | (count >= max_new)
+                if bool(done.all()) or end + 1 >= total:
+                    break
+                if bool((lengths <= end + 1).all()):
+                    ctx.enable_decode_mode()
+                start, end = end, end + 1
+        finally:
+            ctx.reset()
+            self.model.set_input_tensor(None)
+            self.model.train(was_training)
+        return [
+            Decoded(
+                token_ids=out_tok[r, : int(count[r])].tolist(),
+                logprobs=out_lp[r, : int(count[r])].tolist(),
+                stopped=bool(stopped[r]),
+            )
+            for r in range(b)
+        ]

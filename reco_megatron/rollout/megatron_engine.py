@@ -1,0 +1,212 @@
+"""The ``megatron`` rollout engine: our protocol on top of a decoder over the trainer's model.
+
+The decoding itself (megatron-core forward passes with the static KV cache, at the trainer's
+TP/PP layout) is :class:`reco_megatron.megatron.rollout_engine.MegatronDecoder`; this layer never
+imports megatron and takes any object with the :class:`ModelDecoder` shape. What lives here is
+what the protocol promises and the embedded engine already does, reused as is: request
+validation, one random stream per seed drawn up front (:func:`draw_noise`), prompts grouped by
+setting and chunked by rows, sampling by inverse CDF with the log-prob of the temperature-scaled
+untruncated distribution (:func:`sample_next`). So for the same model, prompts and seeds this
+engine draws the same uniforms, applies the same truncation and reports the same convention as
+:class:`reco_megatron.rollout.embedded.EmbeddedEngine`; only the forward differs (megatron's
+kernels, right padding with true positions, see ``docs/rollout.md``).
+
+Weights: the decoder reads the trainer's live parameters, so there is nothing to load.
+:meth:`MegatronEngine.update_weights` takes an *empty* stream (what
+:func:`reco_megatron.trainer.weight_sync.sync_weights` sends it) and refuses tensors: pushing
+converted weights into the training model would silently overwrite the policy.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Protocol
+
+import torch
+
+from reco_megatron.rollout.base import Completion, RolloutEngine, SamplingArg
+from reco_megatron.rollout.sampling import (
+    SeededCalls,
+    call_seed,
+    draw_noise,
+    group_by_setting,
+    sample_next,
+)
+from reco_megatron.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+
+class DecodedRow(Protocol):
+    """One decoded row (:class:`reco_megatron.megatron.rollout_engine.Decoded`)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    stopped: bool
+
+
+class ModelDecoder(Protocol):
+    """What the engine needs from the model side (``MegatronDecoder`` satisfies it)."""
+
+    vocab_size: int
+    max_model_len: int
+    max_batch_size: int
+
+    def decode(
+        self,
+        prompts: Sequence[Sequence[int]],
+        noise: torch.Tensor,
+        stop_ids: Sequence[int],
+        sample: Any,
+    ) -> Sequence[DecodedRow]:
+        """Rows ``[b]`` decoded with ``noise [b, max_new_tokens]`` and ``sample``."""
+        ...
+
+    def free_cache(self) -> None:
+        """Release the KV cache."""
+        ...
+
+
+@dataclass(kw_only=True)
+class MegatronEngineConfig:
+    """Settings of :class:`MegatronEngine` (memory settings live on the decoder)."""
+
+    seed: int = 0
+    """Base seed of the sampler; call ``k`` without ``SamplingParams.seed`` uses a seed
+    derived from ``(seed, k)`` (as the embedded engine)."""
+
+    eos_token_ids: tuple[int, ...] = ()
+    """Token ids that end every response (on top of ``SamplingParams.stop_token_ids``)."""
+
+    release_cache_after_generate: bool = True
+    """Free the KV cache when :meth:`MegatronEngine.generate` returns, so the trainer's update
+    gets the memory back without a :meth:`~MegatronEngine.sleep` call (re-allocating it costs
+    one allocation per layer per call); ``False`` keeps it for back-to-back calls."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
+        self.eos_token_ids = tuple(int(t) for t in self.eos_token_ids)
+
+
+class MegatronEngine(SeededCalls, RolloutEngine):
+    """Generation with the trainer's own megatron-core model through a :class:`ModelDecoder`.
+
+    Collective: every rank of a model-parallel group (TP x PP) must call :meth:`generate` with
+    the same prompts and settings; all of them return the same completions.
+    """
+
+    uses_trainer_weights = True
+    """The weights are the trainer's: the weight sync sends an empty stream (no conversion)."""
+
+    def __init__(self, decoder: ModelDecoder, config: MegatronEngineConfig | None = None) -> None:
+        self.decoder = decoder
+        self.config = config or MegatronEngineConfig()
+        bad = [t for t in self.config.eos_token_ids if not 0 <= t < decoder.vocab_size]
+        if bad:
+            raise ValueError(f"eos_token_ids {bad!r} outside [0, {decoder.vocab_size})")
+        self._seed = self.config.seed
+        self._calls = 0
+        self._weights_loaded = True  # the live training weights
+        self._closed = False
+
+    @property
+    def max_model_len(self) -> int:
+        return self.decoder.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.decoder.vocab_size
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Token ids that end every response."""
+        return self.config.eos_token_ids
+
+    def _load_weights(self, stream: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """Accept only the empty stream: the weights are the trainer's own, always current.
+
+        Nothing is cached across calls (the KV cache is rebuilt for every chunk), so the sync
+        is a no-op; a non-empty stream raises instead of overwriting the policy.
+        """
+        self._check_open()
+        names = [name for name, _ in stream]
+        if names:
+            raise ValueError(
+                f"the megatron rollout engine generates with the trainer's own weights and takes "
+                f"no weight stream; got {len(names)} tensors (first: {names[:3]!r}). Call "
+                "update_weights(()) after an optimizer step, or use rollout.engine=embedded to "
+                "generate from exported weights"
+            )
+
+    def generate(
+        self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingArg
+    ) -> list[list[Completion]]:
+        """``n`` completions per prompt; ``result[i][j]`` is sample ``j`` of prompt ``i``.
+
+        Same grouping, noise and sampling as the embedded engine (module docstring); chunks
+        hold at most ``decoder.max_batch_size`` rows, sorted by prompt length.
+        """
+        self._check_open()
+        params = self._admit(prompt_token_ids, n, sampling)
+        noise = draw_noise(params, n, call_seed(self._seed, self._calls))
+        self._calls += 1
+        start = time.perf_counter()
+        out: list[list[Completion | None]] = [[None] * n for _ in prompt_token_ids]
+        size = self.decoder.max_batch_size
+        for setting, members in group_by_setting(params).items():
+            stop_ids = sorted(set(self.config.eos_token_ids) | set(setting.stop_token_ids))
+            # Rows of similar prompt length share a chunk: the decoder feeds the longer prompts
+            # of a chunk one token per step, so mixed lengths cost steps (never results: a
+            # row's noise and tokens do not depend on its chunk).
+            rows = sorted(
+                ((i, j) for i in members for j in range(n)),
+                key=lambda row: len(prompt_token_ids[row[0]]),
+            )
+            sample = partial(sample_next, sampling=setting)
+            for lo in range(0, len(rows), size):
+                chunk = rows[lo : lo + size]
+                decoded = self.decoder.decode(
+                    [prompt_token_ids[i] for i, _ in chunk],
+                    torch.stack([noise[i][j] for i, j in chunk]),
+                    stop_ids,
+                    sample,
+                )
+                for (i, j), row in zip(chunk, decoded, strict=True):
+                    out[i][j] = Completion(
+                        prompt_index=i,
+                        sample_index=j,
+                        token_ids=list(row.token_ids),
+                        logprobs=list(row.logprobs),
+                        finish_reason="stop" if row.stopped else "length",
+                    )
+        if self.config.release_cache_after_generate:
+            self._release_memory()
+        logger.debug(
+            "megatron generate: %d prompts x %d in %.2fs",
+            len(out),
+            n,
+            time.perf_counter() - start,
+        )
+        return [[c for c in group if c is not None] for group in out]
+
+    def _release_memory(self) -> None:
+        """Free the KV cache (the weights are the trainer's and stay where they are)."""
+        self._check_open()
+        self.decoder.free_cache()
+
+    def _restore_memory(self, tag: str) -> None:
+        """Nothing to do now: megatron allocates the KV cache lazily in the next forward."""
+
+    def close(self) -> None:
+        """Free the KV cache; the engine cannot be used afterwards."""
+        if not self._closed:
+            self.decoder.free_cache()
+            self._closed = True
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the engine was closed; build a new MegatronEngine")
