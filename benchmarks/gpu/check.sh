@@ -44,9 +44,10 @@ export PYTHONPATH="$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INDEX=1
 export MODE OUT PYTHON WHEELS SITE  # each step runs in its own bash under `timeout`
 
-STEPS=(install environment gpu_tests stats_op rl_step)
+STEPS=(install environment gpu_tests stats_op rl_step rollout_engines)
 # seconds per step on the GPU machine (sum: 5 min at most); the CPU rehearsal gets 3x
-declare -A LIMIT=([install]=20 [environment]=20 [gpu_tests]=140 [stats_op]=45 [rl_step]=70)
+declare -A LIMIT=([install]=15 [environment]=15 [gpu_tests]=125 [stats_op]=40 [rl_step]=60
+  [rollout_engines]=45)
 
 # ---------------------------------------------------------------- the steps
 step_install() {
@@ -108,6 +109,18 @@ step_rl_step() {
   local preset=1b
   [ "$MODE" = cpu ] && preset=tiny
   "$PYTHON" benchmarks/gpu/rl_step.py --preset "$preset" --steps 2 --out "$OUT/rl_step"
+}
+
+step_rollout_engines() {
+  # the megatron rollout engine (issue 19) vs the embedded one, side by side in one process:
+  # ~1.2B bf16, 256 prompts x G 8 (the embedded engine: the first 32 prompts), 256 new tokens
+  # to fit the check's 5 minutes (the issue's 512: --new-tokens 512 in a longer run)
+  if [ "$MODE" = gpu ]; then
+    "$PYTHON" benchmarks/rollout_engines.py --gpu-1b --new-tokens 256 \
+      --out "$OUT/rollout_engines.json"
+  else
+    "$PYTHON" benchmarks/rollout_engines.py --smoke --out "$OUT/rollout_engines.json"
+  fi
 }
 
 # ---------------------------------------------------------------- the driver
