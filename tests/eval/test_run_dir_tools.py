@@ -1,0 +1,110 @@
+"""The tools pointed at a ``reco-train`` run directory, as a new user would: ``reco-export``
+writes a folder that ``AutoTokenizer`` + ``AutoModelForCausalLM`` load and generate with (the
+tokenizer found from the run's config), and ``reco-eval RUN_DIR`` takes tokenizer, reward,
+data and lengths from the run's ``config.yaml``."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers", reason="the export check and reco-eval need transformers")
+
+from reco_megatron.testing import run_distributed
+from tests.tiny_overrides import TINY_RUN
+
+pytestmark = pytest.mark.dist
+
+ROOT = Path(__file__).resolve().parents[2]
+SP_MODEL = ROOT / "examples" / "tiny" / "countdown_sp.model"
+
+
+def _train(rank, world, out: str) -> int:
+    from reco_megatron.train import main
+
+    return main(
+        [
+            "examples/tiny_cpu.yaml",
+            *TINY_RUN,
+            "sft.steps=0",
+            "trainer.max_steps=1",
+            f"trainer.output_dir={out}",
+        ]
+    )
+
+
+def _export(rank, world, argv: list[str]) -> int:
+    from reco_megatron.export import main
+
+    return main(argv)
+
+
+def _evaluate(rank, world, argv: list[str]) -> int:
+    from reco_megatron.evaluate import main
+
+    return main(argv)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("run") / "tiny"
+    (code,) = run_distributed(_train, 1, args=(str(out),), timeout=600)
+    assert code == 0
+    return out
+
+
+def test_export_loads_with_auto_classes_and_generates(run_dir: Path, tmp_path: Path) -> None:
+    import sentencepiece as spm
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "hf"
+    (code,) = run_distributed(
+        _export, 1, args=([str(run_dir / "checkpoints"), str(out)],), timeout=600
+    )
+    assert code == 0
+    tok = AutoTokenizer.from_pretrained(out)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    sp = spm.SentencePieceProcessor(model_file=str(SP_MODEL))
+    prompts = [json.loads(line)["prompt"] for line in (run_dir / "data/eval.jsonl").open()]
+    for text in prompts:  # the ids the model was trained on
+        assert tok.encode(text, add_special_tokens=False) == sp.encode(text)
+    assert tok.eos_token_id == sp.eos_id() and model.generation_config.eos_token_id == sp.eos_id()
+    ids = tok(prompts[0], return_tensors="pt", add_special_tokens=False).input_ids
+    with torch.no_grad():
+        new = model.generate(ids, max_new_tokens=4, do_sample=False)
+    assert new.shape[1] > ids.shape[1]
+    assert isinstance(tok.decode(new[0, ids.shape[1] :]), str)
+
+
+def test_export_refuses_a_non_empty_folder_naming_the_flag(
+    run_dir: Path, tmp_path: Path, caplog
+) -> None:
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    from reco_megatron.export import main
+
+    package = logging.getLogger("reco_megatron")  # it does not propagate to the root logger
+    package.addHandler(caplog.handler)
+    try:  # refused before any model is built, so it can run in-process
+        assert main([str(run_dir / "checkpoints"), str(out)]) == 2
+    finally:
+        package.removeHandler(caplog.handler)
+    assert "exists and is not empty: pass --overwrite to replace it" in caplog.text
+    assert "overwrite=True" not in caplog.text
+    assert (out / "keep.txt").exists()
+
+
+def test_reco_eval_takes_everything_from_the_run(run_dir: Path) -> None:
+    argv = [str(run_dir), "--n", "2", "--kmax", "2", "--limit", "2", "--no-progress"]
+    (code,) = run_distributed(_evaluate, 1, args=([*argv, "--reward-workers", "1"],), timeout=600)
+    assert code == 0
+    (entry,) = json.loads((run_dir / "reco-eval" / "passk.json").read_text())["checkpoints"]
+    assert entry["protocol"]["reward"] == "countdown"
+    assert entry["protocol"]["max_new_tokens"] == 8  # rollout.max_new_tokens of the run
+    assert entry["protocol"]["data"] == str(run_dir / "data" / "eval.jsonl")
+    assert [p["n"] for p in entry["problems"]] == [2, 2]
