@@ -40,6 +40,7 @@ from typing import Any
 import yaml
 
 from reco_megatron.utils.logging import get_logger
+from reco_megatron.utils.noise import quiet_known_warnings
 
 logger = get_logger("reco_megatron.evaluate")
 
@@ -145,6 +146,7 @@ def resolve_inputs(args: argparse.Namespace) -> tuple[list[tuple[str, str]], dic
 def main(argv: list[str] | None = None) -> int:
     """Console entry point; returns the exit status (2 on a bad input)."""
     args = build_parser().parse_args(argv)
+    quiet_known_warnings()
     from reco_megatron.data.dataset import DatasetConfig, DatasetError
     from reco_megatron.eval.pipeline import EvalSettings, run_evaluation
     from reco_megatron.megatron.checkpoint import CheckpointError

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from reco_megatron.utils.logging import get_logger
+from reco_megatron.utils.noise import quiet_known_warnings
 
 logger = get_logger("reco_megatron.export")
 
@@ -229,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-shard-size", type=parse_size, default=None, help="e.g. 5GB")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty out_dir")
     args = parser.parse_args(argv)
+    quiet_known_warnings()
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU export: no device memory needed
     from reco_megatron.megatron.checkpoint import CheckpointError
 

@@ -36,6 +36,7 @@ from reco_megatron.config import (
     parse_cli,
 )
 from reco_megatron.utils.logging import get_logger
+from reco_megatron.utils.noise import quiet_known_warnings
 
 logger = get_logger(__name__)
 
@@ -58,6 +59,7 @@ def _report(kind: str, exc: Exception) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse the command line, build the :class:`Trainer`, run it. Returns the exit code."""
+    quiet_known_warnings()  # before megatron-core and torch's extensions are imported
     from reco_megatron.trainer.config import TrainConfig
 
     args = list(sys.argv[1:] if argv is None else argv)

@@ -97,7 +97,8 @@ class Trainer:
                 self.out,
                 cfg.trainer.max_steps,
                 tensorboard=cfg.trainer.tensorboard,
-                progress=cfg.trainer.progress,
+                progress=cfg.trainer.progress and self.step < cfg.trainer.max_steps,
+                initial_step=self.step,
             )
             if self.rank == 0
             else None
@@ -249,6 +250,13 @@ class Trainer:
         cfg = self.cfg
         stop = StopSignal().install()
         status = 0
+        if self.step >= cfg.trainer.max_steps > 0:  # resumed with no step left
+            logger.info(
+                "nothing to do: the checkpoint is at step %d, trainer.max_steps=%d (raise it to "
+                "train on, or choose a new trainer.output_dir)",
+                self.step,
+                cfg.trainer.max_steps,
+            )
         try:
             self._evaluate_coverage()
             while self.step < cfg.trainer.max_steps:

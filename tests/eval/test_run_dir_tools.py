@@ -108,3 +108,32 @@ def test_reco_eval_takes_everything_from_the_run(run_dir: Path) -> None:
     assert entry["protocol"]["max_new_tokens"] == 8  # rollout.max_new_tokens of the run
     assert entry["protocol"]["data"] == str(run_dir / "data" / "eval.jsonl")
     assert [p["n"] for p in entry["problems"]] == [2, 2]
+
+
+def test_resume_with_nothing_left_and_output_modes(run_dir: Path) -> None:
+    """A finished run started again: "nothing to do", no empty progress bar; the resolved
+    config.yaml has the mode of the run's other files (it was 0600)."""
+    import os
+    import stat
+    import subprocess
+    import sys
+
+    modes = {
+        stat.S_IMODE((run_dir / name).stat().st_mode) for name in ("config.yaml", "metrics.jsonl")
+    }
+    assert len(modes) == 1 and modes.pop() & 0o044 == 0o044  # group/other can read both
+    proc = subprocess.run(
+        [
+            *(sys.executable, "-m", "reco_megatron.train", "examples/tiny_cpu.yaml", *TINY_RUN),
+            *("sft.steps=0", "trainer.max_steps=1", "trainer.progress=true"),
+            f"trainer.output_dir={run_dir}",
+        ],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "nothing to do: the checkpoint is at step 1, trainer.max_steps=1" in proc.stderr
+    assert "step/s" not in proc.stderr and "0/1" not in proc.stderr  # no progress bar

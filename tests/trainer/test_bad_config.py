@@ -112,6 +112,10 @@ def test_the_issue_repro_in_a_real_process(tmp_path: Path) -> None:
     assert "Traceback" not in proc.stderr and not out.exists()
     assert proc.stderr.count("reco-train: invalid configuration") == 1
     assert "world size 1 is not divisible by TP x PP x CP = 3 x 1 x 1" in proc.stderr
+    # Importing megatron-core on CPU: each known warning is one line, once, no raw warnings.
+    assert "warnings.warn(" not in proc.stderr and "UserWarning" not in proc.stderr
+    notes = [line for line in proc.stderr.splitlines() if "known warning, harmless" in line]
+    assert notes and len(notes) == len(set(notes)), notes
 
 
 @pytest.mark.dist
@@ -135,3 +139,11 @@ def test_torchrun_reports_once(tmp_path: Path) -> None:
     assert proc.returncode != 0
     assert proc.stderr.count("num_query_groups=1 (key/value heads) is not divisible") == 1
     assert not out.exists()
+    assert proc.stderr.count("transformer-engine / apex are not installed") == 1  # rank 0 only
+
+
+def test_help_starts_with_a_usage_line(capsys) -> None:
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m reco_megatron.train [CONFIG.yaml] [dotted.key=value")
+    assert "rollout.group_size" in out
