@@ -137,3 +137,27 @@ def test_resume_with_nothing_left_and_output_modes(run_dir: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "nothing to do: the checkpoint is at step 1, trainer.max_steps=1" in proc.stderr
     assert "step/s" not in proc.stderr and "0/1" not in proc.stderr  # no progress bar
+
+
+def _train_capturing(rank, world, out: str, extra: list[str]) -> tuple[int, str]:
+    import io
+    import sys
+
+    from reco_megatron.train import main
+
+    sys.stderr = io.StringIO()
+    args = [*TINY_RUN, "sft.steps=0", "trainer.max_steps=2", f"trainer.output_dir={out}"]
+    code = main(["examples/tiny_cpu.yaml", *args, *extra])
+    return code, sys.stderr.getvalue()
+
+
+def test_resuming_an_incompatible_checkpoint_exits_2_in_one_line(run_dir: Path) -> None:
+    (result,) = run_distributed(
+        _train_capturing, 1, args=(str(run_dir), ["model.hidden_size=64"]), timeout=600
+    )
+    code, err = result
+    assert code == 2, err
+    assert "Traceback" not in err
+    (line,) = [x for x in err.splitlines() if x.startswith("reco-train:")]
+    assert line.startswith("reco-train: unusable checkpoint: checkpoint does not match this run")
+    assert "model.hidden_size: checkpoint 32 vs config 64" in err
