@@ -17,7 +17,10 @@ checkpoints) unless ``--tokenizer`` names another: a Hugging Face tokenizer dire
 copied; a SentencePiece ``.model`` (the tiny default) is converted to ``tokenizer.json``
 (:mod:`reco_megatron.data.hf_tokenizer`), checked to give the same ids as SentencePiece on
 the run's prompts, and given a ``generation_config.json`` with its EOS / BOS / pad ids, so
-``AutoTokenizer`` and ``AutoModelForCausalLM.generate`` work on the export as is.
+``AutoTokenizer`` and ``AutoModelForCausalLM.generate`` work on the export as is. A
+tokenizer named by ``--tokenizer`` must work (exit 2 otherwise); one found in the run's config
+that is missing (relative paths start at the current directory) or does not convert exactly
+is skipped with a warning, and the weights are exported alone.
 """
 
 from __future__ import annotations
@@ -147,36 +150,41 @@ def _free_port() -> str:
         return str(s.getsockname()[1])
 
 
-def export_checkpoint(
-    checkpoint: str | Path,
-    out_dir: str | Path,
-    tokenizer_dir: str | Path | None = None,
-    *,
-    max_shard_size: int | None = None,
-    overwrite: bool = False,
-) -> Path:
-    """Convert a reco-megatron checkpoint to a Hugging Face directory (see module doc).
+def _tokenizer_for(spec: str | Path | None, run: dict[str, Any] | None, work: Path) -> Path | None:
+    """The tokenizer directory to copy into the export (see module doc), or None."""
+    from_run = spec is None and run is not None
+    if from_run:
+        spec = (run.get("data") or {}).get("tokenizer") or None
+        if spec:
+            logger.info("tokenizer from %s/config.yaml: %s", run["_run_dir"], spec)
+    if spec is None:
+        return None
+    try:
+        return prepare_tokenizer(spec, work, _sample_texts(run) if run is not None else [])
+    except (FileNotFoundError, ValueError) as exc:
+        if not from_run:
+            raise
+        # Found on its own: the weights are still worth exporting.
+        logger.warning("exporting without a tokenizer: %s", exc)
+        return None
 
-    Runs in one process (a world of 1 is started when ``torch.distributed`` is not).
-    """
+
+def _write_hf(
+    path: Path,
+    meta: dict[str, Any],
+    out_dir: str | Path,
+    tokenizer_dir: Path | None,
+    max_shard_size: int | None,
+    overwrite: bool,
+) -> Path:
     import torch.distributed as dist
 
-    from reco_megatron.megatron.checkpoint import CheckpointError, read_meta
+    from reco_megatron.megatron.checkpoint import CheckpointError
     from reco_megatron.megatron.checkpoint_compat import load_model_and_optimizer
     from reco_megatron.megatron.distributed import ParallelConfig, initialize_parallel
     from reco_megatron.megatron.hf.checkpoint import DEFAULT_MAX_SHARD_SIZE, save_hf_checkpoint
     from reco_megatron.megatron.model import ModelConfig, build_model, transformer_config
 
-    path = resolve_checkpoint(checkpoint)
-    meta = read_meta(path)
-    target = Path(out_dir)
-    if target.exists() and any(target.iterdir()) and not overwrite:  # before any work
-        raise FileExistsError(f"{target} exists and is not empty: pass overwrite=True")
-    run = run_config_of(path)
-    if tokenizer_dir is None and run is not None:
-        tokenizer_dir = (run.get("data") or {}).get("tokenizer") or None
-        if tokenizer_dir:
-            logger.info("tokenizer from %s/config.yaml: %s", run["_run_dir"], tokenizer_dir)
     try:
         saved = ModelConfig(**meta["layout"]["model"])
         saved_tp = int(meta["layout"]["tensor_model_parallel_size"])
@@ -200,19 +208,39 @@ def export_checkpoint(
         raise CheckpointError(
             f"could not read the model weights of {path} ({type(exc).__name__}: {exc})"
         ) from exc
+    return save_hf_checkpoint(
+        out_dir,
+        [model],
+        saved,
+        tokenizer_dir,
+        max_shard_size=max_shard_size or DEFAULT_MAX_SHARD_SIZE,
+        overwrite=overwrite,
+    )
+
+
+def export_checkpoint(
+    checkpoint: str | Path,
+    out_dir: str | Path,
+    tokenizer_dir: str | Path | None = None,
+    *,
+    max_shard_size: int | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Convert a reco-megatron checkpoint to a Hugging Face directory (see module doc).
+
+    Runs in one process (a world of 1 is started when ``torch.distributed`` is not). The
+    output folder and the tokenizer are checked before the model is built.
+    """
+    from reco_megatron.megatron.checkpoint import read_meta
+
+    path = resolve_checkpoint(checkpoint)
+    meta = read_meta(path)
+    target = Path(out_dir)
+    if target.exists() and any(target.iterdir()) and not overwrite:
+        raise FileExistsError(f"{target} exists and is not empty: pass overwrite=True")
     with tempfile.TemporaryDirectory(prefix="reco-export-") as work:
-        tok = None
-        if tokenizer_dir is not None:
-            texts = _sample_texts(run) if run is not None else []
-            tok = prepare_tokenizer(tokenizer_dir, Path(work), texts)
-        out = save_hf_checkpoint(
-            out_dir,
-            [model],
-            saved,
-            tok,
-            max_shard_size=max_shard_size or DEFAULT_MAX_SHARD_SIZE,
-            overwrite=overwrite,
-        )
+        tok = _tokenizer_for(tokenizer_dir, run_config_of(path), Path(work))
+        out = _write_hf(path, meta, out_dir, tok, max_shard_size, overwrite)
     logger.info("exported %s (step %s) -> %s", path, meta.get("step"), out)
     return out
 

@@ -161,3 +161,22 @@ def test_resuming_an_incompatible_checkpoint_exits_2_in_one_line(run_dir: Path) 
     (line,) = [x for x in err.splitlines() if x.startswith("reco-train:")]
     assert line.startswith("reco-train: unusable checkpoint: checkpoint does not match this run")
     assert "model.hidden_size: checkpoint 32 vs config 64" in err
+
+
+def test_export_tokenizer_named_or_found(run_dir: Path, tmp_path: Path, caplog) -> None:
+    """Named by --tokenizer, an unusable tokenizer is an error before any model is built;
+    found in the run's config, it is skipped with a warning (the weights still export)."""
+    from reco_megatron.export import _tokenizer_for, main
+
+    package = logging.getLogger("reco_megatron")
+    package.addHandler(caplog.handler)
+    try:
+        argv = [str(run_dir / "checkpoints"), str(tmp_path / "hf"), "--tokenizer", "nope.model"]
+        assert main(argv) == 2
+        assert "tokenizer 'nope.model' is neither a tokenizer directory" in caplog.text
+        assert not (tmp_path / "hf").exists()
+        run = {"data": {"tokenizer": "nope.model"}, "_run_dir": str(run_dir)}
+        assert _tokenizer_for(None, run, tmp_path) is None
+        assert "exporting without a tokenizer" in caplog.text
+    finally:
+        package.removeHandler(caplog.handler)
