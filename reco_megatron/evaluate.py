@@ -1,10 +1,17 @@
 """``reco-eval``: pass@k (k = 1, 2, 4, ... kmax) and diversity of one or several checkpoints.
 
-CPU (embedded engine, the tiny countdown model; a Megatron checkpoint is exported in-process)::
+CPU, a run directory of ``reco-train`` (embedded engine; the Megatron checkpoint is exported
+in-process). The tokenizer, reward, held-out data, prompt template and response length come
+from the run's ``config.yaml``; the results go to ``RUN_DIR/reco-eval``::
+
+    reco-eval runs/tiny_cpu
+    reco-eval runs/tiny_cpu --n 32 --kmax 32 --out /tmp/tiny-eval     # flags override the run
+
+Any checkpoint (a ``step_*`` directory, a checkpoints root or an HF directory) with explicit
+inputs::
 
     reco-eval runs/tiny_cpu/checkpoints --data runs/tiny_cpu/data/eval.jsonl \\
-        --tokenizer examples/tiny/countdown_sp.model --reward countdown --n 16 --kmax 16 \\
-        --out runs/tiny_cpu/eval
+        --tokenizer examples/tiny/countdown_sp.model --reward countdown --out runs/tiny_cpu/eval
 
 Several checkpoints on one plot, with labels: ``base=runs/a/checkpoints reco=runs/b/checkpoints``.
 
@@ -15,7 +22,11 @@ Several checkpoints on one plot, with labels: ``base=runs/a/checkpoints reco=run
 
 N GPUs: run one ``reco-eval`` per GPU and benchmark (``CUDA_VISIBLE_DEVICES=i``), or give vLLM
 tensor parallelism with ``--tp``. Writes ``passk.json`` (per-problem counts, per-k averages,
-per checkpoint), ``passk.md`` and ``passk.png``; the markdown table also goes to stdout.
+per checkpoint), ``passk.md`` and ``passk.png`` (checkpoints with identical curves, e.g. a
+checkpoint and its own HF export, are drawn with distinct markers and noted in the legend);
+the markdown table also goes to stdout. Without ``--max-new-tokens`` (and no run config) the
+response length is the longest that fits the model's context next to the longest prompt,
+at most 64 (embedded) or 3072 (vLLM).
 Exit status 2 on a bad input (missing checkpoint, empty dataset, kmax > n), with the reason.
 """
 
@@ -23,8 +34,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
 
 from reco_megatron.utils.logging import get_logger
+from reco_megatron.utils.noise import quiet_known_warnings
 
 logger = get_logger("reco_megatron.evaluate")
 
@@ -39,36 +55,98 @@ def parse_checkpoint(spec: str) -> tuple[str, str]:
     return "/".join(parts[-2:]) or spec, spec
 
 
+def run_dir_of(path: str) -> Path | None:
+    """``path`` when it is a ``reco-train`` output directory (``config.yaml`` and
+    ``checkpoints/``), else None."""
+    p = Path(path)
+    return p if (p / "config.yaml").is_file() and (p / "checkpoints").is_dir() else None
+
+
+def run_defaults(run_dir: Path) -> dict[str, Any]:
+    """The evaluation inputs a run's ``config.yaml`` gives (flags override them)."""
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8")) or {}
+    data, rollout = cfg.get("data") or {}, cfg.get("rollout") or {}
+    fields = data.get("dataset") or {}
+    return {
+        "data": data.get("eval_path") or str(run_dir / "data" / "eval.jsonl"),
+        "tokenizer": data.get("tokenizer"),
+        "template": data.get("template"),
+        "reward": (cfg.get("reward") or {}).get("reward"),
+        "max_new_tokens": rollout.get("max_new_tokens"),
+        "prompt_field": fields.get("prompt_field"),
+        "answer_field": fields.get("answer_field"),
+        "id_field": fields.get("id_field"),
+        "out": str(run_dir / "reco-eval"),
+    }
+
+
+FALLBACKS: dict[str, Any] = {
+    "tokenizer": "",
+    "template": "{prompt}\n",
+    "reward": "math",
+    "prompt_field": "prompt",
+    "answer_field": "answer",
+    "id_field": "id",
+}
+"""Values used when neither a flag nor a run's config gives one."""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The ``reco-eval`` argument parser."""
+    """The ``reco-eval`` argument parser (None: from the run's config, else a fallback)."""
     p = argparse.ArgumentParser(prog="reco-eval", description=__doc__.split("\n")[0])
-    p.add_argument("checkpoints", nargs="+", help="[label=]path: HF dir or reco checkpoint")
-    p.add_argument("--data", required=True, help="local .jsonl or .parquet problems file")
-    p.add_argument("--prompt-field", default="prompt")
-    p.add_argument("--answer-field", default="answer")
-    p.add_argument("--id-field", default="id")
-    p.add_argument("--tokenizer", default="", help=".model file or HF dir (default: checkpoint)")
-    p.add_argument("--template", default="{prompt}\n", help="used without a chat template")
-    p.add_argument("--reward", default="math", help="math | countdown | module:function")
+    p.add_argument(
+        "checkpoints", nargs="+", help="[label=]path: run dir, reco checkpoint or HF dir"
+    )
+    p.add_argument("--data", default=None, help=".jsonl/.parquet problems (default: run's)")
+    p.add_argument("--prompt-field", default=None)
+    p.add_argument("--answer-field", default=None)
+    p.add_argument("--id-field", default=None)
+    p.add_argument("--tokenizer", default=None, help=".model file or HF dir (default: run's)")
+    p.add_argument("--template", default=None, help="used without a chat template")
+    p.add_argument("--reward", default=None, help="math | countdown | module:function")
     p.add_argument("--reward-workers", type=int, default=2)
     p.add_argument("--n", type=int, default=None, help="samples/problem (vllm 256, else 16)")
     p.add_argument("--kmax", type=int, default=None, help="largest k (default: n)")
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--max-new-tokens", type=int, default=None, help="vllm 3072, else 64")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default: fits the context")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--limit", type=int, default=0, help="first N problems only (0: all)")
     p.add_argument("--engine", choices=("embedded", "vllm"), default="embedded")
     p.add_argument("--device", default="cpu", help="embedded engine device")
     p.add_argument("--tp", type=int, default=1, help="vLLM tensor parallel size")
-    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--out", default=None, help="output directory (default: RUN_DIR/reco-eval)")
     p.add_argument("--no-progress", action="store_true")
     return p
+
+
+def resolve_inputs(args: argparse.Namespace) -> tuple[list[tuple[str, str]], dict[str, Any]]:
+    """``(label, checkpoint path)`` pairs and the inputs: flags, else the first run
+    directory's config, else :data:`FALLBACKS`. A run directory stands for its checkpoints."""
+    checkpoints, run = [], None
+    for spec in args.checkpoints:
+        label, path = parse_checkpoint(spec)
+        run_dir = run_dir_of(path)
+        if run_dir is not None:
+            run = run or run_defaults(run_dir)
+            path = str(run_dir / "checkpoints")
+        checkpoints.append((label, path))
+    inputs = {}
+    for key in ("data", "out", "max_new_tokens", *FALLBACKS):
+        value = getattr(args, key)
+        if value is None and run is not None:
+            value = run.get(key)
+        inputs[key] = FALLBACKS.get(key) if value is None else value
+    for key in ("data", "out"):
+        if not inputs[key]:
+            raise ValueError(f"--{key} is required unless a checkpoint is a reco-train run dir")
+    return checkpoints, inputs
 
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point; returns the exit status (2 on a bad input)."""
     args = build_parser().parse_args(argv)
+    quiet_known_warnings()
     from reco_megatron.data.dataset import DatasetConfig, DatasetError
     from reco_megatron.eval.pipeline import EvalSettings, run_evaluation
     from reco_megatron.megatron.checkpoint import CheckpointError
@@ -76,24 +154,26 @@ def main(argv: list[str] | None = None) -> int:
     gpu = args.engine == "vllm"
     n = args.n if args.n is not None else (256 if gpu else 16)
     try:
+        checkpoints, inputs = resolve_inputs(args)
         settings = EvalSettings(
-            checkpoints=[parse_checkpoint(c) for c in args.checkpoints],
-            data=args.data,
-            out_dir=args.out,
-            tokenizer=args.tokenizer,
+            checkpoints=checkpoints,
+            data=inputs["data"],
+            out_dir=inputs["out"],
+            tokenizer=inputs["tokenizer"],
             dataset=DatasetConfig(
-                prompt_field=args.prompt_field,
-                answer_field=args.answer_field,
-                id_field=args.id_field or None,
+                prompt_field=inputs["prompt_field"],
+                answer_field=inputs["answer_field"],
+                id_field=inputs["id_field"] or None,
             ),
-            template=args.template,
-            reward=args.reward,
+            template=inputs["template"],
+            reward=inputs["reward"],
             reward_workers=args.reward_workers,
             n=n,
             kmax=args.kmax if args.kmax is not None else n,
             temperature=args.temperature,
             top_p=args.top_p,
-            max_new_tokens=args.max_new_tokens or (3072 if gpu else 64),
+            max_new_tokens=inputs["max_new_tokens"],
+            default_max_new_tokens=3072 if gpu else 64,
             seed=args.seed,
             limit=args.limit,
             engine=args.engine,

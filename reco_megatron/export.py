@@ -2,26 +2,41 @@
 
 Usage (one process, CPU; the checkpoint may have been written at any TP/PP, it reshards)::
 
-    python -m reco_megatron.export CKPT_DIR HF_OUT_DIR [--tokenizer TOKENIZER_DIR]
-    reco-export runs/llama8b/checkpoints hf/llama8b-reco --tokenizer meta-llama/...local-dir
+    python -m reco_megatron.export CKPT_DIR HF_OUT_DIR [--tokenizer TOKENIZER] [--overwrite]
+    reco-export runs/tiny_cpu/checkpoints hf/tiny       # tokenizer from runs/tiny_cpu/config.yaml
+    reco-export runs/llama8b/checkpoints hf/llama8b-reco --tokenizer /models/Llama-3.1-8B-Instruct
 
 ``CKPT_DIR`` is a ``step_*`` directory or the checkpoint root holding ``latest``. The model is
 rebuilt at TP=PP=1 from ``meta.json`` (``layout.model``), the model weights are loaded
 (optimizer state and RNG are skipped), and ``config.json`` + ``model.safetensors`` (sharded
 at ``--max-shard-size``) are written; ``transformers`` and vLLM load the result. Memory: the
 whole model in its saved dtype, plus one tensor. megatron-bridge is not needed.
+
+The tokenizer is the run's own (``data.tokenizer`` in the ``config.yaml`` beside the
+checkpoints) unless ``--tokenizer`` names another: a Hugging Face tokenizer directory is
+copied; a SentencePiece ``.model`` (the tiny default) is converted to ``tokenizer.json``
+(:mod:`reco_megatron.data.hf_tokenizer`), checked to give the same ids as SentencePiece on
+the run's prompts, and given a ``generation_config.json`` with its EOS / BOS / pad ids, so
+``AutoTokenizer`` and ``AutoModelForCausalLM.generate`` work on the export as is. A
+tokenizer named by ``--tokenizer`` must work (exit 2 otherwise); one found in the run's config
+that is missing (relative paths start at the current directory) or does not convert exactly
+is skipped with a warning, and the weights are exported alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import socket
+import tempfile
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from reco_megatron.utils.logging import get_logger
+from reco_megatron.utils.noise import quiet_known_warnings
 
 logger = get_logger("reco_megatron.export")
 
@@ -63,34 +78,113 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return latest
 
 
+def run_config_of(checkpoint: Path) -> dict[str, Any] | None:
+    """The ``config.yaml`` of the run that wrote ``checkpoint`` (a ``step_*`` directory or
+    the checkpoints root), as a plain mapping; None when there is none."""
+    import yaml
+
+    for parent in [checkpoint, *checkpoint.parents][:3]:
+        if (parent / "config.yaml").is_file():
+            data = yaml.safe_load((parent / "config.yaml").read_text(encoding="utf-8"))
+            return {**data, "_run_dir": str(parent)} if isinstance(data, dict) else None
+    return None
+
+
+def _sample_texts(run: dict[str, Any], limit: int = 256) -> list[str]:
+    """Prompts of the run (formatted with its template) to check a converted tokenizer on."""
+    data = run.get("data") or {}
+    path = Path(data.get("train_path") or Path(run["_run_dir"]) / "data" / "train.jsonl")
+    field = (data.get("dataset") or {}).get("prompt_field", "prompt")
+    template = data.get("template", "{prompt}")
+    texts: list[str] = []
+    if path.suffix == ".jsonl" and path.is_file():
+        with path.open(encoding="utf-8") as f:
+            for line in f:
+                row = json.loads(line) if line.strip() else None
+                if isinstance(row, dict) and isinstance(row.get(field), str):
+                    texts += [row[field], template.format(prompt=row[field])]
+                if len(texts) >= limit:
+                    break
+    return texts
+
+
+def prepare_tokenizer(spec: str | Path, workdir: Path, texts: list[str]) -> Path:
+    """A directory of HF tokenizer files for ``spec``: itself when it is a directory, else
+    (a SentencePiece ``.model``) its conversion written under ``workdir``.
+
+    Raises:
+        FileNotFoundError: ``spec`` does not exist.
+        ValueError: the conversion gives other ids than SentencePiece on ``texts``.
+    """
+    from reco_megatron.data.hf_tokenizer import encoding_mismatches, sentencepiece_to_hf
+
+    path = Path(spec)
+    if path.is_dir():
+        return path
+    if not path.is_file() or path.suffix != ".model":
+        raise FileNotFoundError(
+            f"tokenizer {str(path)!r} is neither a tokenizer directory nor a SentencePiece "
+            ".model file (relative paths start at the current directory): pass --tokenizer"
+        )
+    import sentencepiece as spm
+
+    out = workdir / "tokenizer"
+    sentencepiece_to_hf(path, out)
+    bad = encoding_mismatches(path, out, texts)
+    if bad:
+        raise ValueError(
+            f"the converted tokenizer of {path} gives other ids than SentencePiece on {bad} of "
+            f"{len(texts)} prompts (only BPE models without a dummy prefix convert exactly): "
+            "pass --tokenizer with a Hugging Face tokenizer directory"
+        )
+    sp = spm.SentencePieceProcessor(model_file=str(path))
+    ids = {"bos_token_id": sp.bos_id(), "eos_token_id": sp.eos_id(), "pad_token_id": sp.pad_id()}
+    generation = {k: v for k, v in ids.items() if v >= 0}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    return out
+
+
 def _free_port() -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return str(s.getsockname()[1])
 
 
-def export_checkpoint(
-    checkpoint: str | Path,
-    out_dir: str | Path,
-    tokenizer_dir: str | Path | None = None,
-    *,
-    max_shard_size: int | None = None,
-    overwrite: bool = False,
-) -> Path:
-    """Convert a reco-megatron checkpoint to a Hugging Face directory (see module doc).
+def _tokenizer_for(spec: str | Path | None, run: dict[str, Any] | None, work: Path) -> Path | None:
+    """The tokenizer directory to copy into the export (see module doc), or None."""
+    from_run = spec is None and run is not None
+    if from_run:
+        spec = (run.get("data") or {}).get("tokenizer") or None
+        if spec:
+            logger.info("tokenizer from %s/config.yaml: %s", run["_run_dir"], spec)
+    if spec is None:
+        return None
+    try:
+        return prepare_tokenizer(spec, work, _sample_texts(run) if run is not None else [])
+    except (FileNotFoundError, ValueError) as exc:
+        if not from_run:
+            raise
+        # Found on its own: the weights are still worth exporting.
+        logger.warning("exporting without a tokenizer: %s", exc)
+        return None
 
-    Runs in one process (a world of 1 is started when ``torch.distributed`` is not).
-    """
+
+def _write_hf(
+    path: Path,
+    meta: dict[str, Any],
+    out_dir: str | Path,
+    tokenizer_dir: Path | None,
+    max_shard_size: int | None,
+    overwrite: bool,
+) -> Path:
     import torch.distributed as dist
 
-    from reco_megatron.megatron.checkpoint import CheckpointError, read_meta
+    from reco_megatron.megatron.checkpoint import CheckpointError
     from reco_megatron.megatron.checkpoint_compat import load_model_and_optimizer
     from reco_megatron.megatron.distributed import ParallelConfig, initialize_parallel
     from reco_megatron.megatron.hf.checkpoint import DEFAULT_MAX_SHARD_SIZE, save_hf_checkpoint
     from reco_megatron.megatron.model import ModelConfig, build_model, transformer_config
 
-    path = resolve_checkpoint(checkpoint)
-    meta = read_meta(path)
     try:
         saved = ModelConfig(**meta["layout"]["model"])
         saved_tp = int(meta["layout"]["tensor_model_parallel_size"])
@@ -114,7 +208,7 @@ def export_checkpoint(
         raise CheckpointError(
             f"could not read the model weights of {path} ({type(exc).__name__}: {exc})"
         ) from exc
-    out = save_hf_checkpoint(
+    return save_hf_checkpoint(
         out_dir,
         [model],
         saved,
@@ -122,6 +216,31 @@ def export_checkpoint(
         max_shard_size=max_shard_size or DEFAULT_MAX_SHARD_SIZE,
         overwrite=overwrite,
     )
+
+
+def export_checkpoint(
+    checkpoint: str | Path,
+    out_dir: str | Path,
+    tokenizer_dir: str | Path | None = None,
+    *,
+    max_shard_size: int | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Convert a reco-megatron checkpoint to a Hugging Face directory (see module doc).
+
+    Runs in one process (a world of 1 is started when ``torch.distributed`` is not). The
+    output folder and the tokenizer are checked before the model is built.
+    """
+    from reco_megatron.megatron.checkpoint import read_meta
+
+    path = resolve_checkpoint(checkpoint)
+    meta = read_meta(path)
+    target = Path(out_dir)
+    if target.exists() and any(target.iterdir()) and not overwrite:
+        raise FileExistsError(f"{target} exists and is not empty: pass overwrite=True")
+    with tempfile.TemporaryDirectory(prefix="reco-export-") as work:
+        tok = _tokenizer_for(tokenizer_dir, run_config_of(path), Path(work))
+        out = _write_hf(path, meta, out_dir, tok, max_shard_size, overwrite)
     logger.info("exported %s (step %s) -> %s", path, meta.get("step"), out)
     return out
 
@@ -131,10 +250,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="reco-export", description=__doc__.split("\n")[0])
     parser.add_argument("checkpoint", help="step_* directory or checkpoint root with 'latest'")
     parser.add_argument("out_dir", help="Hugging Face output directory (created)")
-    parser.add_argument("--tokenizer", default=None, help="directory to copy tokenizer files from")
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="HF tokenizer directory or SentencePiece .model (default: the run's data.tokenizer)",
+    )
     parser.add_argument("--max-shard-size", type=parse_size, default=None, help="e.g. 5GB")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty out_dir")
     args = parser.parse_args(argv)
+    quiet_known_warnings()
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU export: no device memory needed
     from reco_megatron.megatron.checkpoint import CheckpointError
 
@@ -146,7 +270,10 @@ def main(argv: list[str] | None = None) -> int:
             max_shard_size=args.max_shard_size,
             overwrite=args.overwrite,
         )
-    except (CheckpointError, FileExistsError, FileNotFoundError) as exc:
+    except FileExistsError:
+        logger.error("%s exists and is not empty: pass --overwrite to replace it", args.out_dir)
+        return 2
+    except (CheckpointError, FileNotFoundError, ValueError) as exc:
         logger.error("%s", exc)
         return 2
     return 0

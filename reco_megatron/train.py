@@ -23,17 +23,43 @@ SIGTERM/SIGUSR1 after saving a checkpoint (run the same command again to resume)
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 
-from reco_megatron.config import ConfigError, HelpRequested, describe_config, load_config, parse_cli
+from reco_megatron.config import (
+    USAGE,
+    ConfigError,
+    HelpRequested,
+    describe_config,
+    load_config,
+    parse_cli,
+)
 from reco_megatron.utils.logging import get_logger
+from reco_megatron.utils.noise import quiet_known_warnings
 
 logger = get_logger(__name__)
+
+EXIT_BAD_CONFIG = 2
+"""Exit status of a configuration that cannot run (reported before any compute)."""
+
+
+def _report(kind: str, exc: Exception) -> None:
+    """One message on stderr, written once per node (local rank 0: every rank ran the same
+    checks on the same files, so the other ranks would repeat it), no traceback."""
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    problems = getattr(exc, "problems", None) or [str(exc)]
+    if len(problems) == 1:
+        sys.stderr.write(f"reco-train: {kind}: {problems[0]}\n")
+    else:
+        lines = "".join(f"  - {p}\n" for p in problems)
+        sys.stderr.write(f"reco-train: {kind} ({len(problems)} problems):\n{lines}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse the command line, build the :class:`Trainer`, run it. Returns the exit code."""
+    quiet_known_warnings()  # before megatron-core and torch's extensions are imported
     from reco_megatron.trainer.config import TrainConfig
 
     args = list(sys.argv[1:] if argv is None else argv)
@@ -41,15 +67,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         config_path, overrides = parse_cli(args)
         cfg = load_config(TrainConfig, config_path, overrides)
     except HelpRequested:
+        sys.stdout.write(f"{USAGE}\n\n{__doc__.split(chr(10))[0]}\n\n")
         sys.stdout.write(describe_config(TrainConfig) + "\n")
         return 0
     except ConfigError as exc:
-        sys.stderr.write(f"reco-train: invalid configuration\n{exc}\n")
-        return 2
+        _report("invalid configuration", exc)
+        return EXIT_BAD_CONFIG
+    from reco_megatron.megatron.checkpoint import CheckpointError
     from reco_megatron.trainer.guards import StabilityStop
     from reco_megatron.trainer.loop import Trainer
 
-    trainer = Trainer(cfg)
+    try:
+        trainer = Trainer(cfg)
+    except ConfigError as exc:  # the pre-flight checks: nothing was created or computed
+        _report("invalid configuration", exc)
+        return EXIT_BAD_CONFIG
+    except CheckpointError as exc:  # the checkpoint to resume or start from cannot be used
+        _report("unusable checkpoint", exc)
+        return EXIT_BAD_CONFIG
     try:
         status = trainer.run()
     except StabilityStop as exc:

@@ -81,8 +81,15 @@ def dumps_config(config: Any, header: str | None = None) -> str:
     return text
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def dump_config(config: Any, path: str | Path, header: str | None = None) -> Path:
-    """Write ``config`` as YAML to ``path`` (parents created, atomic replace); returns it.
+    """Write ``config`` as YAML to ``path`` (parents created, atomic replace, the mode a new
+    file gets from the umask, like the run's other outputs); returns it.
 
     ``load_config(type(config), path) == config`` holds for every config the loader built.
     """
@@ -93,6 +100,7 @@ def dump_config(config: Any, path: str | Path, header: str | None = None) -> Pat
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; a plain file gets 0644
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -60,8 +60,11 @@ class EvalSettings:
     """Sampling temperature (the paper: 0.6)."""
     top_p: float = 0.95
     """Nucleus threshold (the paper: 0.95)."""
-    max_new_tokens: int = 64
-    """Longest response in tokens."""
+    max_new_tokens: int | None = None
+    """Longest response in tokens; None: the longest that fits every model's context next to
+    the longest prompt, at most ``default_max_new_tokens``."""
+    default_max_new_tokens: int = 64
+    """Cap of the fitted length when ``max_new_tokens`` is None (vLLM: 3072)."""
     seed: int = 0
     """Evaluation seed; each problem's samples are seeded by ``(seed, problem id)``."""
     limit: int = 0
@@ -78,8 +81,10 @@ class EvalSettings:
     def __post_init__(self) -> None:
         if not self.checkpoints:
             raise ValueError("no checkpoint given: pass at least one checkpoint directory")
-        for name in ("n", "kmax", "max_new_tokens", "reward_workers"):
+        for name in ("n", "kmax", "max_new_tokens", "default_max_new_tokens", "reward_workers"):
             value = getattr(self, name)
+            if name == "max_new_tokens" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         check_kmax(self.kmax, self.n)
@@ -118,11 +123,40 @@ def load_problems(settings: EvalSettings, tokenizer: Tokenizer) -> list[EvalProb
     ]
 
 
-def _max_model_len(hf_dir: Path, problems: list[EvalProblem], max_new_tokens: int) -> int:
+def _context(hf_dir: Path) -> int | None:
     config = json.loads((hf_dir / "config.json").read_text(encoding="utf-8"))
-    need = max(len(p.prompt_ids) for p in problems) + max_new_tokens
-    limit = int(config.get("max_position_embeddings", need))
-    return min(need, limit)  # too long: the engine names the prompt and the limit
+    value = config.get("max_position_embeddings")
+    return int(value) if value else None
+
+
+def fit_max_new_tokens(settings: EvalSettings, longest_prompt: int, contexts: list[int]) -> int:
+    """The response length: ``settings.max_new_tokens`` checked against the smallest model
+    context, or (None) the longest that fits, at most ``default_max_new_tokens``.
+
+    Raises:
+        ValueError: the prompts leave no room, or the given length does not fit.
+    """
+    context = min(contexts) if contexts else None
+    room = None if context is None else context - longest_prompt
+    if room is not None and room < 1:
+        raise ValueError(
+            f"the longest prompt has {longest_prompt} tokens, the model's context is {context}: "
+            "no room for a response; use shorter prompts (--limit, another --data)"
+        )
+    if settings.max_new_tokens is None:
+        fitted = settings.default_max_new_tokens if room is None else room
+        fitted = min(fitted, settings.default_max_new_tokens)
+        logger.info(
+            "max_new_tokens=%d (context %s, longest prompt %d)", fitted, context, longest_prompt
+        )
+        return fitted
+    if room is not None and settings.max_new_tokens > room:
+        raise ValueError(
+            f"--max-new-tokens {settings.max_new_tokens} + the longest prompt "
+            f"({longest_prompt} tokens) exceeds the model's context of {context}: pass "
+            f"--max-new-tokens {room} or less (or leave it out to fit it)"
+        )
+    return settings.max_new_tokens
 
 
 def run_evaluation(settings: EvalSettings) -> dict[str, Any]:
@@ -135,11 +169,16 @@ def run_evaluation(settings: EvalSettings) -> dict[str, Any]:
     tok_spec = settings.tokenizer or str(hf_dirs[0][1])
     tokenizer = load_tokenizer(tok_spec)
     problems = load_problems(settings, tokenizer)
+    if not problems:
+        raise ValueError(f"{settings.data} holds no problems")
+    longest = max(len(p.prompt_ids) for p in problems)
+    contexts = [c for _, d in hf_dirs if (c := _context(d)) is not None]
+    max_new_tokens = fit_max_new_tokens(settings, longest, contexts)
     ks = ks_up_to(settings.kmax)
     sampling = SamplingParams(
         temperature=settings.temperature,
         top_p=settings.top_p,
-        max_new_tokens=settings.max_new_tokens,
+        max_new_tokens=max_new_tokens,
         stop_token_ids=(tokenizer.eos_id,),
     )
     entries: list[dict[str, Any]] = []
@@ -150,7 +189,7 @@ def run_evaluation(settings: EvalSettings) -> dict[str, Any]:
             engine = build_engine(
                 hf_dir,
                 engine=settings.engine,
-                max_model_len=_max_model_len(hf_dir, problems, settings.max_new_tokens),
+                max_model_len=longest + max_new_tokens,
                 eos_token_ids=(tokenizer.eos_id,),
                 seed=settings.seed,
                 device=settings.device,
@@ -177,7 +216,8 @@ def run_evaluation(settings: EvalSettings) -> dict[str, Any]:
                 label,
                 " ".join(f"{k}={summary[k]:.3f}" for k in summary if k.startswith("pass@")),
             )
-            entries.append(report.entry(label, src, summary, results, settings.protocol()))
+            protocol = {**settings.protocol(), "max_new_tokens": max_new_tokens}
+            entries.append(report.entry(label, src, summary, results, protocol))
     finally:
         pool.close()
     rows = [(e["label"], e["summary"]) for e in entries]

@@ -79,6 +79,31 @@ def markdown_table(
     return "\n".join(lines) + "\n"
 
 
+_STYLES = (("o", "-", 3), ("x", "--", 7), ("+", ":", 9), ("s", "-.", 5))
+
+
+def curve_styles(
+    summaries: Sequence[Mapping[str, float]], labels: Sequence[str]
+) -> list[dict[str, Any]]:
+    """Matplotlib keywords per curve. A curve equal to an earlier one (same pass@k at every k,
+    e.g. a checkpoint and its own HF export) gets another marker and line style, drawn on top,
+    and ``(= first label)`` in its legend entry, so neither hides the other unnoticed."""
+    styles: list[dict[str, Any]] = []
+    for i, summary in enumerate(summaries):
+        values = [summary[f"pass@{k}"] for k in ks_of(summary)]
+        same = [
+            j
+            for j in range(i)
+            if [summaries[j][f"pass@{k}"] for k in ks_of(summaries[j])] == values
+        ]
+        marker, linestyle, size = _STYLES[len(same) % len(_STYLES)]
+        label = labels[i] + (f" (= {labels[same[0]]})" if same else "")
+        styles.append(
+            {"marker": marker, "linestyle": linestyle, "markersize": size, "label": label}
+        )
+    return styles
+
+
 def plot_passk(
     path: str | Path,
     curves: Sequence[tuple[str, Mapping[str, float]]],
@@ -95,10 +120,11 @@ def plot_passk(
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
-    for label, summary in curves:
+    styles = curve_styles([c[1] for c in curves], [c[0] for c in curves])
+    for (label, summary), style in zip(curves, styles, strict=True):
         ks = ks_of(summary)
         ys = [100.0 * summary[f"pass@{k}"] for k in ks]
-        (line,) = ax.plot(ks, ys, marker="o", markersize=3, label=label)
+        (line,) = ax.plot(ks, ys, **style)
         if bands and label in bands:
             low, high = bands[label]
             ax.fill_between(

@@ -23,6 +23,19 @@ from reco_megatron.rollout.vllm_requests import VLLM_MAX_TEMPERATURE, VLLM_MIN_T
 from reco_megatron.trainer.guards import StabilityConfig
 
 
+def _check_ints(obj: object, hints: dict[str, str] | None = None, **minimum: int) -> None:
+    """Raise naming the field when it is not an int >= its minimum (the loader puts the
+    section in front: ``trainer: max_steps must be ...``); ``hints`` adds a word per field."""
+    for name, low in minimum.items():
+        value = getattr(obj, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            what = "a positive integer" if low == 1 else f"an integer >= {low}"
+            hint = (hints or {}).get(name)
+            raise ValueError(
+                f"{name} must be {what}, got {value!r}" + (f" ({hint})" if hint else "")
+            )
+
+
 @dataclass(kw_only=True)
 class RolloutConfig:
     """Sampling of G responses per prompt."""
@@ -61,6 +74,11 @@ class RolloutConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"rollout.{name} must be a positive integer, got {value!r}")
+        if self.group_size < 2:
+            raise ValueError(
+                f"group_size must be >= 2, got {self.group_size}: group advantages "
+                "compare the responses to one prompt (the paper uses 8)"
+            )
         if not self.temperature > 0:
             raise ValueError(
                 f"rollout.temperature must be > 0, got {self.temperature} (RL needs sampling)"
@@ -137,6 +155,17 @@ class SFTConfig:
     solutions_per_problem: int = 3
     """Distinct solutions taught per problem (so RL starts from several ways to solve)."""
 
+    def __post_init__(self) -> None:
+        _check_ints(
+            self,
+            {"steps": "0 disables the warm-up"},
+            steps=0,
+            batch_size=1,
+            solutions_per_problem=1,
+        )
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+
 
 @dataclass(kw_only=True)
 class TrainerConfig:
@@ -155,6 +184,9 @@ class TrainerConfig:
     progress: bool = True
     """A progress bar on rank 0 (tqdm or rich when installed)."""
 
+    def __post_init__(self) -> None:
+        _check_ints(self, {"max_steps": "0 runs the SFT warm-up only"}, max_steps=0, log_interval=1)
+
 
 @dataclass(kw_only=True)
 class CheckpointConfig:
@@ -163,7 +195,8 @@ class CheckpointConfig:
     save_interval: int = 0
     """Steps between checkpoints (0: only at the end)."""
     keep_last: int = 3
-    """Complete checkpoints kept; older ones are removed after a new one is written."""
+    """Complete checkpoints kept; older ones are removed after a new one is written (0 keeps
+    every checkpoint)."""
     init_hf: str = ""
     """Start from this local Hugging Face checkpoint directory (config.json + safetensors)."""
     init_megatron: str = ""
@@ -175,6 +208,14 @@ class CheckpointConfig:
     ours; docs/weights.md)."""
     resume: bool = True
     """Resume from ``<output_dir>/checkpoints/latest`` when it exists."""
+
+    def __post_init__(self) -> None:
+        _check_ints(
+            self,
+            {"save_interval": "0 saves at the end only", "keep_last": "0 keeps every one"},
+            save_interval=0,
+            keep_last=0,
+        )
 
 
 @dataclass(kw_only=True)

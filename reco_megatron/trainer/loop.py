@@ -31,6 +31,7 @@ from reco_megatron.trainer import setup
 from reco_megatron.trainer.config import TrainConfig
 from reco_megatron.trainer.guards import EXIT_RESUMABLE, StabilityGuard, StopSignal
 from reco_megatron.trainer.metrics_writer import MetricsWriter, plot_training_curves
+from reco_megatron.trainer.preflight import preflight
 from reco_megatron.trainer.rollout_batch import build_rollout_batch
 from reco_megatron.trainer.step_metrics import global_row, rollout_counters
 from reco_megatron.trainer.weight_sync import build_rollout_engine, sync_weights
@@ -44,26 +45,22 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
+        checked = preflight(cfg)  # ConfigError before anything is created or computed
         self.out = setup.prepare_output_dir(cfg.trainer.output_dir)
         initialize_parallel(cfg.parallel, seed=cfg.trainer.seed)
         self.layout = rank_layout()
         self.rank = self.layout.rank
         self.dp_rank = self.layout.dp_rank
         self.dp_size = self.layout.dp_size
-        self.tokenizer = setup.load_tokenizer(cfg.data.tokenizer)
-        if self.tokenizer.vocab_size > cfg.model.vocab_size:
-            raise SystemExit(
-                f"the tokenizer has {self.tokenizer.vocab_size} tokens but model.vocab_size="
-                f"{cfg.model.vocab_size}: set model.vocab_size to at least the tokenizer's"
-            )
-        train_path = Path(cfg.data.train_path) if cfg.data.train_path else None
-        if train_path is None:
+        self.tokenizer = checked.tokenizer
+        if checked.dataset is None:
             train_path, _ = setup.ensure_countdown_data(
                 self.out / "data", cfg.data.countdown, cfg.trainer.seed
             )
             dist.barrier()
-        cfg.data.dataset.max_prompt_len = cfg.rollout.max_prompt_len
-        self.dataset = setup.load_prompts(train_path, cfg.data.dataset, self.tokenizer)
+            cfg.data.dataset.max_prompt_len = cfg.rollout.max_prompt_len
+            checked.dataset = setup.load_prompts(train_path, cfg.data.dataset, self.tokenizer)
+        self.dataset = checked.dataset
         self.formatter = PromptFormatter(tokenizer=self.tokenizer, template=cfg.data.template)
         self.sampler = PromptSampler(
             len(self.dataset), cfg.rollout.prompts_per_step, seed=cfg.trainer.seed
@@ -89,7 +86,12 @@ class Trainer:
         self.rewards = RewardPool(cfg.reward) if self.layout.first_of_replica else None
         self.step = 0
         self.guard = StabilityGuard(cfg.stability)
-        self._initialise_weights()
+        self.writer: MetricsWriter | None = None
+        try:
+            self._initialise_weights()
+        except BaseException:  # e.g. an unusable checkpoint: stop the reward workers too
+            self.close()
+            raise
         if self.rank == 0:
             dump_config(cfg, self.out / "config.yaml")
         self.coverage = self._coverage_evaluator()
@@ -98,7 +100,8 @@ class Trainer:
                 self.out,
                 cfg.trainer.max_steps,
                 tensorboard=cfg.trainer.tensorboard,
-                progress=cfg.trainer.progress,
+                progress=cfg.trainer.progress and self.step < cfg.trainer.max_steps,
+                initial_step=self.step,
             )
             if self.rank == 0
             else None
@@ -250,6 +253,13 @@ class Trainer:
         cfg = self.cfg
         stop = StopSignal().install()
         status = 0
+        if self.step >= cfg.trainer.max_steps > 0:  # resumed with no step left
+            logger.info(
+                "nothing to do: the checkpoint is at step %d, trainer.max_steps=%d (raise it to "
+                "train on, or choose a new trainer.output_dir)",
+                self.step,
+                cfg.trainer.max_steps,
+            )
         try:
             self._evaluate_coverage()
             while self.step < cfg.trainer.max_steps:

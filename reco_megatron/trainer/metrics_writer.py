@@ -22,9 +22,18 @@ def _clean(value: Any) -> Any:
 
 
 class MetricsWriter:
-    """Appends one line per step to ``<output_dir>/metrics.jsonl`` (and TensorBoard)."""
+    """Appends one line per step to ``<output_dir>/metrics.jsonl`` (and TensorBoard); the
+    progress bar (``progress``) counts from ``initial_step`` to ``total_steps``."""
 
-    def __init__(self, output_dir: Path, total_steps: int, *, tensorboard: bool, progress: bool):
+    def __init__(
+        self,
+        output_dir: Path,
+        total_steps: int,
+        *,
+        tensorboard: bool,
+        progress: bool,
+        initial_step: int = 0,
+    ):
         self.path = output_dir / "metrics.jsonl"
         self.output_dir = output_dir
         self._tb = None
@@ -40,7 +49,13 @@ class MetricsWriter:
             try:
                 from tqdm import tqdm
 
-                self._bar = tqdm(total=total_steps, desc="reco", unit="step", dynamic_ncols=True)
+                self._bar = tqdm(
+                    total=total_steps,
+                    initial=initial_step,  # a resumed run's bar starts where it stopped
+                    desc="reco",
+                    unit="step",
+                    dynamic_ncols=True,
+                )
             except ImportError:
                 pass
 

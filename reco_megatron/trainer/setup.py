@@ -9,9 +9,10 @@ from pathlib import Path
 
 import torch
 
+from reco_megatron.config import ConfigError
 from reco_megatron.data.countdown import generate, write_splits
 from reco_megatron.data.dataset import PromptDataset
-from reco_megatron.data.tokenizer import HFTokenizer, SentencePieceTokenizer, Tokenizer
+from reco_megatron.data.tokenizer import Tokenizer
 from reco_megatron.megatron.batch import RolloutBatch
 from reco_megatron.trainer.config import TrainConfig
 from reco_megatron.utils.logging import get_logger
@@ -21,39 +22,45 @@ logger = get_logger(__name__)
 MIN_FREE_BYTES = 64 * 1024 * 1024
 
 
+def _nearest_existing(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
 def prepare_output_dir(path: str | Path) -> Path:
-    """Create ``path`` and prove it is writable with room to spare, before any compute."""
+    """Create ``path`` and prove it is writable with room to spare, before any compute.
+
+    Raises:
+        ConfigError: not writable, or under :data:`MIN_FREE_BYTES` free; nothing is left
+            behind (a directory this call created is removed again).
+    """
     out = Path(path)
+    free = shutil.disk_usage(_nearest_existing(out)).free
+    if free < MIN_FREE_BYTES:
+        raise ConfigError(
+            [
+                f"trainer.output_dir={str(out)!r} has only {free // 2**20} MiB free; "
+                "checkpoints need more: free space or choose another directory"
+            ]
+        )
+    created = _nearest_existing(out) != out.absolute()
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / f".write_probe.{os.getpid()}"  # per process: ranks share the directory
         probe.write_bytes(b"ok")
         probe.unlink()
     except OSError as exc:
-        raise SystemExit(
-            f"trainer.output_dir={str(out)!r} is not writable ({exc.strerror}): choose another "
-            "directory with trainer.output_dir=..."
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        raise ConfigError(
+            [
+                f"trainer.output_dir={str(out)!r} is not writable ({exc.strerror}): choose "
+                "another directory with trainer.output_dir=..."
+            ]
         ) from exc
-    free = shutil.disk_usage(out).free
-    if free < MIN_FREE_BYTES:
-        raise SystemExit(
-            f"trainer.output_dir={str(out)!r} has only {free // 2**20} MiB free; checkpoints "
-            "need more: free space or choose another directory"
-        )
     return out
-
-
-def load_tokenizer(spec: str) -> Tokenizer:
-    """A SentencePiece ``.model`` file or a Hugging Face tokenizer directory."""
-    path = Path(spec)
-    if path.suffix == ".model":
-        return SentencePieceTokenizer(path)
-    if path.is_dir():
-        return HFTokenizer(path)
-    raise SystemExit(
-        f"data.tokenizer={spec!r} is neither a SentencePiece .model file nor a tokenizer "
-        "directory: pass e.g. examples/tiny/countdown_sp.model or a local HF model directory"
-    )
 
 
 def ensure_countdown_data(data_dir: Path, countdown, seed: int) -> tuple[Path, Path]:

@@ -37,16 +37,39 @@ class _RankFilter(logging.Filter):
         return all_ranks or record.rank == 0 or record.levelno >= logging.WARNING
 
 
+class _TqdmAwareHandler(logging.StreamHandler):
+    """Writes through ``tqdm.write`` so that a line never lands inside a progress bar (tqdm
+    clears the bar, prints the line, redraws the bar); a plain stream write without tqdm."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            from tqdm import tqdm
+        except ImportError:  # pragma: no cover - tqdm is a dependency
+            super().emit(record)
+            return
+        try:
+            tqdm.write(self.format(record), file=self.stream)
+            self.flush()
+        except Exception:  # the logging contract: never raise from emit
+            self.handleError(record)
+
+
+def tqdm_aware_handler() -> logging.Handler:
+    """A handler to stderr in the package's format (time, rank, level, logger), with the rank
+    filter (INFO and below on rank 0 only), that keeps progress bars intact."""
+    handler = _TqdmAwareHandler(sys.stderr)
+    fmt = "[%(asctime)s rank%(rank)s %(levelname)s %(name)s] %(message)s"
+    handler.setFormatter(logging.Formatter(fmt, "%H:%M:%S"))
+    handler.addFilter(_RankFilter())
+    return handler
+
+
 def _configure() -> None:
     global _configured
     if _configured:
         return
     root = logging.getLogger(_ROOT)
-    handler = logging.StreamHandler(sys.stderr)
-    fmt = "[%(asctime)s rank%(rank)s %(levelname)s %(name)s] %(message)s"
-    handler.setFormatter(logging.Formatter(fmt, "%H:%M:%S"))
-    handler.addFilter(_RankFilter())
-    root.addHandler(handler)
+    root.addHandler(tqdm_aware_handler())
     root.setLevel(os.environ.get("RECO_LOG_LEVEL", "INFO").upper())
     root.propagate = False
     _configured = True

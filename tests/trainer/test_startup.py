@@ -7,23 +7,26 @@ from pathlib import Path
 
 import pytest
 
+from reco_megatron.config import ConfigError
 from reco_megatron.trainer import setup
+from reco_megatron.trainer.preflight import load_tokenizer
 
 
 def test_unwritable_output_dir_is_a_clear_error(tmp_path: Path) -> None:
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
-    with pytest.raises(SystemExit, match=r"trainer.output_dir=.*is not writable"):
+    with pytest.raises(ConfigError, match=r"trainer.output_dir=.*is not writable"):
         setup.prepare_output_dir(blocker / "run")
 
 
 def test_full_disk_is_a_clear_error(tmp_path: Path, monkeypatch) -> None:
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(setup.shutil, "disk_usage", lambda _: usage(10**9, 10**9, 1024))
-    with pytest.raises(SystemExit, match="has only 0 MiB free"):
+    with pytest.raises(ConfigError, match="has only 0 MiB free"):
         setup.prepare_output_dir(tmp_path / "run")
+    assert not (tmp_path / "run").exists()
 
 
 def test_unknown_tokenizer_spec(tmp_path: Path) -> None:
-    with pytest.raises(SystemExit, match=r"neither a SentencePiece \.model file nor a tokenizer"):
-        setup.load_tokenizer(str(tmp_path / "missing.txt"))
+    with pytest.raises(ConfigError, match=r"neither a SentencePiece \.model file nor a tokenizer"):
+        load_tokenizer(str(tmp_path / "missing.txt"))

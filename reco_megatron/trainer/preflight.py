@@ -1,0 +1,230 @@
+"""Every check of a run's configuration that needs no compute, before anything is created.
+
+:func:`preflight` runs at the top of :class:`~reco_megatron.trainer.loop.Trainer`, before the
+output directory, the process group or the model exist. It checks what each section's
+``__post_init__`` cannot see alone: the layout against the world size (``WORLD_SIZE`` from
+torchrun), heads and layers against TP / PP, every batch split (prompts over mini-batches and
+data-parallel ranks, sequences over micro-batches, the SFT batch), the tokenizer, the prompt
+files (read and validated row by row, so a bad row is reported with its file and line), the
+held-out set, the reward spec and the initial checkpoint. All problems found are raised
+together as one :class:`~reco_megatron.config.ConfigError`, which ``reco-train`` turns into
+exit status 2 and its message, with no output directory left behind.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from reco_megatron.config import ConfigError
+from reco_megatron.data.dataset import DatasetError, PromptDataset
+from reco_megatron.data.tokenizer import HFTokenizer, SentencePieceTokenizer, Tokenizer
+from reco_megatron.trainer.config import TrainConfig
+
+
+@dataclass
+class Checked:
+    """What the checks built on the way and the trainer reuses."""
+
+    world_size: int
+    """Ranks of the job."""
+    data_parallel_size: int
+    """World size / (TP x PP x CP)."""
+    tokenizer: Tokenizer
+    """The loaded tokenizer."""
+    dataset: PromptDataset | None
+    """The validated prompt file (None when the countdown task is generated at start)."""
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
+    """A SentencePiece ``.model`` file or a Hugging Face tokenizer directory.
+
+    Raises:
+        ConfigError: the path does not exist or is neither kind, naming ``data.tokenizer``.
+    """
+    path = Path(spec)
+    try:
+        if path.suffix == ".model":
+            return SentencePieceTokenizer(path)
+        if path.is_dir():
+            return HFTokenizer(path)
+    except (OSError, ValueError, ImportError) as exc:
+        raise ConfigError([f"data.tokenizer={spec!r}: cannot load it ({exc})"]) from exc
+    raise ConfigError(
+        [
+            f"data.tokenizer={spec!r} is neither a SentencePiece .model file nor a tokenizer "
+            "directory: pass e.g. examples/tiny/countdown_sp.model or a local HF model directory"
+        ]
+    )
+
+
+def _layout(cfg: TrainConfig, world: int, problems: list[str]) -> int:
+    par = cfg.parallel
+    try:
+        dp = par.data_parallel_size(world)
+    except ValueError as exc:
+        problems.append(f"parallel: {exc}")
+        dp = 1
+    try:
+        par.validate_for_model(cfg.model, cfg.model.num_layers, on_gpu=torch.cuda.is_available())
+    except ValueError as exc:
+        problems.append(f"parallel/model: {exc}")
+    return dp
+
+
+def _batches(cfg: TrainConfig, dp: int, problems: list[str]) -> None:
+    r, m, mbs = cfg.rollout, cfg.update.minibatches_per_rollout, cfg.parallel.micro_batch_size
+    if r.prompts_per_step % (m * dp):
+        problems.append(
+            f"rollout.prompts_per_step={r.prompts_per_step} must be a multiple of "
+            f"update.minibatches_per_rollout x data-parallel size = {m} x {dp} = {m * dp}"
+        )
+    else:
+        per_mini = r.prompts_per_step // (m * dp) * r.group_size
+        if per_mini % mbs:
+            problems.append(
+                f"parallel.micro_batch_size={mbs} must divide the sequences of one mini-batch on "
+                f"one rank: prompts_per_step / (minibatches_per_rollout x DP) x group_size = "
+                f"{r.prompts_per_step} / ({m} x {dp}) x {r.group_size} = {per_mini}"
+            )
+    if cfg.sft.steps > 0:
+        b = cfg.sft.batch_size
+        if b % dp or (b // dp) % mbs:
+            problems.append(
+                f"sft.batch_size={b} must be a multiple of data-parallel size x "
+                f"parallel.micro_batch_size = {dp} x {mbs} = {dp * mbs}"
+            )
+
+
+def _path_problem(key: str, value: str, *, directory: bool = False) -> str | None:
+    path = Path(value)
+    if not path.exists():
+        return f"{key}={value!r} does not exist (relative paths start at {os.getcwd()})"
+    if directory and not path.is_dir():
+        return f"{key}={value!r} is not a directory"
+    if not directory and not path.is_file():
+        return f"{key}={value!r} is not a file"
+    return None
+
+
+def _data(cfg: TrainConfig, tokenizer: Tokenizer | None, problems: list[str]) -> Any:
+    d = cfg.data
+    if tokenizer is not None and tokenizer.vocab_size > cfg.model.vocab_size:
+        problems.append(
+            f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
+            f"{tokenizer.vocab_size} tokens: set model.vocab_size to at least that"
+        )
+    if d.eval_path and (bad := _path_problem("data.eval_path", d.eval_path)):
+        problems.append(bad)
+    if cfg.eval.interval and d.train_path and not d.eval_path:
+        problems.append(
+            f"eval.interval={cfg.eval.interval} needs a held-out set: set data.eval_path "
+            "(or eval.interval=0)"
+        )
+    if not d.train_path:
+        return None
+    if bad := _path_problem("data.train_path", d.train_path):
+        problems.append(bad)
+        return None
+    if tokenizer is None:
+        return None
+    d.dataset.max_prompt_len = cfg.rollout.max_prompt_len
+    try:
+        return PromptDataset(Path(d.train_path), d.dataset, tokenizer=tokenizer)
+    except DatasetError as exc:
+        problems.append(f"data.train_path: {exc}")
+    return None
+
+
+def _reward(spec: str, problems: list[str]) -> None:
+    from reco_megatron.rewards.registry import BUILTIN_REWARDS
+
+    if spec in BUILTIN_REWARDS:
+        return
+    module, sep, attr = spec.partition(":")
+    if not sep or not module or not attr:
+        problems.append(
+            f"reward.reward={spec!r} is neither a built-in ({', '.join(sorted(BUILTIN_REWARDS))})"
+            " nor 'package.module:function'"
+        )
+        return
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        problems.append(
+            f"reward.reward={spec!r}: module {module!r} is not importable; check the spelling "
+            "and PYTHONPATH"
+        )
+
+
+def _checkpoint(cfg: TrainConfig, problems: list[str]) -> None:
+    from reco_megatron.megatron.checkpoint import CheckpointError, latest_checkpoint, read_meta
+
+    c = cfg.checkpoint
+    if c.init_hf:
+        bad = _path_problem("checkpoint.init_hf", c.init_hf, directory=True)
+        if bad is None and not (Path(c.init_hf) / "config.json").is_file():
+            bad = f"checkpoint.init_hf={c.init_hf!r} holds no config.json (not an HF model)"
+        if bad:
+            problems.append(bad)
+    if c.init_megatron:
+        if bad := _path_problem("checkpoint.init_megatron", c.init_megatron, directory=True):
+            problems.append(bad)
+            return
+        path = Path(c.init_megatron)
+        try:
+            if (path / "latest").exists():
+                path = latest_checkpoint(path) or path
+            saved = read_meta(path)["layout"]["model"]
+        except (CheckpointError, KeyError, TypeError) as exc:
+            problems.append(f"checkpoint.init_megatron={c.init_megatron!r}: {exc}")
+            return
+        diffs = [
+            f"{k} {saved.get(k)!r} vs {getattr(cfg.model, k)!r}"
+            for k in ("family", "num_layers", "hidden_size", "vocab_size")
+            if k in saved and saved.get(k) != getattr(cfg.model, k, None)
+        ]
+        if diffs:
+            problems.append(
+                f"checkpoint.init_megatron={c.init_megatron!r} holds another model (checkpoint "
+                f"vs model.*: {'; '.join(diffs)})"
+            )
+
+
+def preflight(cfg: TrainConfig) -> Checked:
+    """Check ``cfg`` against the job and the files it names; build the tokenizer and data.
+
+    Raises:
+        ConfigError: every problem found, one line each, naming the key and the fix.
+    """
+    problems: list[str] = []
+    world = _world_size()
+    dp = _layout(cfg, world, problems)
+    _batches(cfg, dp, problems)
+    tokenizer = None
+    try:
+        tokenizer = load_tokenizer(cfg.data.tokenizer)
+    except ConfigError as exc:
+        problems.extend(exc.problems)
+    dataset = _data(cfg, tokenizer, problems)
+    _reward(cfg.reward.reward, problems)
+    _checkpoint(cfg, problems)
+    if problems:
+        raise ConfigError(problems)
+    assert tokenizer is not None
+    return Checked(world_size=world, data_parallel_size=dp, tokenizer=tokenizer, dataset=dataset)
