@@ -13,6 +13,7 @@ from reco_megatron.data.countdown import generate, write_splits
 from reco_megatron.data.dataset import PromptDataset
 from reco_megatron.data.tokenizer import HFTokenizer, SentencePieceTokenizer, Tokenizer
 from reco_megatron.megatron.batch import RolloutBatch
+from reco_megatron.megatron.checkpoint import remove_partial_checkpoints
 from reco_megatron.trainer.config import TrainConfig
 from reco_megatron.utils.logging import get_logger
 
@@ -34,6 +35,8 @@ def prepare_output_dir(path: str | Path) -> Path:
             f"trainer.output_dir={str(out)!r} is not writable ({exc.strerror}): choose another "
             "directory with trainer.output_dir=..."
         ) from exc
+    # a save cut short (SIGKILL, full disk) leaves .tmp-step_*: it must not eat the space
+    remove_partial_checkpoints(out / "checkpoints")
     free = shutil.disk_usage(out).free
     if free < MIN_FREE_BYTES:
         raise SystemExit(
