@@ -111,8 +111,10 @@ def _save_part(rank, world_size, root, hidden, layers):
     verify_checkpoint(final)
     verify_s = time.perf_counter() - start
     size = integrity.directory_size(final)
+    model = engine.unwrapped()
+    chunks = model if isinstance(model, list) else [model]
     return {
-        "params": sum(p.numel() for p in engine.unwrapped().parameters()),
+        "params": sum(p.numel() for chunk in chunks for p in chunk.parameters()),
         "checkpoint_bytes": size,
         "save_s (incl. checksums + fsync)": round(save_s, 2),
         "crc32_of_saved_files_s": round(hash_s, 2),
@@ -131,6 +133,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="ckpt_bench_", dir=args.dir))
     try:
         result = {"file": file_part(work, args.file_gb)}
+        print(json.dumps(result, indent=1), flush=True)
         if args.layers > 0:
             from reco_megatron.testing import run_distributed
 

@@ -19,12 +19,13 @@ Integrity (``checkpoint_integrity``): every file is listed in ``manifest.json`` 
 and CRC-32, hashed and fsynced by the rank that wrote it before the directory is renamed;
 the renamed directory and ``latest`` are fsynced too, so after a power loss ``latest`` never
 names data that is not on disk. Loading verifies every file first and refuses a damaged
-checkpoint with :class:`DamagedCheckpointError` naming the file; :func:`resume_latest` then
-names the previous complete checkpoint, and with ``on_damaged="fallback"`` moves the damaged
-one aside (``damaged-step_*``) and resumes from the newest one that verifies. Checkpoints
+checkpoint with :class:`DamagedCheckpointError` naming the file;
+``checkpoint_resume.resume_latest`` then names the previous complete checkpoint, and with
+``on_damaged="fallback"`` moves the damaged one aside (``damaged-step_*``) and resumes from
+the newest one that verifies. Checkpoints
 written before manifests existed load with a warning. A save that runs out of disk space
 raises :class:`CheckpointSpaceError` (free space, needed space, path) and removes its partial
-``.tmp-step_*``; so does :func:`remove_partial_checkpoints` at the next start.
+``.tmp-step_*``; so does ``checkpoint_resume.remove_partial_checkpoints`` at the next start.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ from reco_megatron.utils.logging import get_logger
 logger = get_logger(__name__)
 
 FORMAT_VERSION = 1
-_PREFIX = "step_"
+PREFIX = "step_"
+"""Name prefix of complete checkpoint directories (``step_00000012``)."""
 
 
 class CheckpointError(RuntimeError):
@@ -99,7 +101,7 @@ def _from_rank0(obj: Any) -> Any:
 
 def checkpoint_name(step: int) -> str:
     """Directory name of the checkpoint after optimizer-loop step ``step``."""
-    return f"{_PREFIX}{step:08d}"
+    return f"{PREFIX}{step:08d}"
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:
@@ -241,7 +243,7 @@ def _finish_save(
 def _prune(root: Path, keep_last: int) -> None:
     if keep_last <= 0:
         return
-    done = sorted(p for p in root.glob(f"{_PREFIX}*") if (p / "meta.json").exists())
+    done = sorted(p for p in root.glob(f"{PREFIX}*") if (p / "meta.json").exists())
     for old in done[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -355,76 +357,3 @@ def verify_checkpoint(path: str | Path) -> bool:
             f"checkpoint {path} is damaged: {problems[0]}{more}; nothing was loaded from it"
         )
     return True
-
-
-def complete_checkpoints(root: str | Path) -> list[Path]:
-    """Every ``step_*`` directory under ``root`` that has its ``meta.json``, oldest first."""
-    return sorted(p for p in Path(root).glob(f"{_PREFIX}*") if (p / "meta.json").exists())
-
-
-def resume_latest(
-    root: str | Path, engine: Any, *, on_damaged: str = "stop"
-) -> tuple[Path, dict[str, Any]] | None:
-    """Load ``<root>/latest`` into ``engine`` (collective); None when there is no checkpoint.
-
-    When it is damaged: ``on_damaged="stop"`` raises :class:`DamagedCheckpointError` naming
-    the file and the previous complete checkpoint; ``"fallback"`` renames the damaged one to
-    ``damaged-step_*`` (kept for inspection, never loaded or pruned), points ``latest`` at the
-    previous complete checkpoint and tries it, down to the oldest.
-    Returns ``(checkpoint loaded, trainer state)``.
-    """
-    root = Path(root)
-    path = latest_checkpoint(root)
-    while path is not None:
-        try:
-            return path, load_checkpoint(path, engine)
-        except DamagedCheckpointError as exc:
-            older = [p for p in complete_checkpoints(root) if p.name < path.name]
-            if not older:
-                raise DamagedCheckpointError(
-                    f"{exc}. There is no older complete checkpoint under {root}: restore the "
-                    "file from a copy, or start over with checkpoint.resume=false"
-                ) from exc
-            previous = older[-1]
-            if on_damaged != "fallback":
-                raise DamagedCheckpointError(
-                    f"{exc}. The previous complete checkpoint is {previous}: resume from it "
-                    "with checkpoint.on_damaged=fallback (moves the damaged one aside to "
-                    f"{root / ('damaged-' + path.name)}), or restore the file from a copy"
-                ) from exc
-            aside = root / f"damaged-{path.name}"
-            n = 1
-            while aside.exists():
-                aside, n = root / f"damaged-{path.name}.{n}", n + 1
-            if _rank() == 0:
-                os.replace(path, aside)
-                integrity.write_durable(root / "latest", previous.name + "\n")
-            _barrier()
-            logger.warning(
-                "%s; moved it to %s and falling back to %s (checkpoint.on_damaged=fallback)",
-                exc,
-                aside.name,
-                previous,
-            )
-            path = previous
-    return None
-
-
-def remove_partial_checkpoints(root: str | Path) -> list[str]:
-    """Remove the ``.tmp-step_*`` directories (and ``latest.tmp``) that a save interrupted by
-    a crash, SIGKILL or full disk left under ``root``; returns their names. Call it at start,
-    before any rank saves (every rank may call it: removal ignores races)."""
-    root = Path(root)
-    stale = sorted(root.glob(f".tmp-{_PREFIX}*")) + sorted(root.glob("latest.tmp"))
-    for path in stale:
-        if path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            path.unlink(missing_ok=True)
-    if stale:
-        logger.warning(
-            "removed %d partial checkpoint(s) left by an interrupted save: %s",
-            len(stale),
-            ", ".join(p.name for p in stale),
-        )
-    return [p.name for p in stale]

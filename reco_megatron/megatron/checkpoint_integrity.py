@@ -231,12 +231,14 @@ def save_failure_message(
     previous = None
     if (root / "latest").exists():
         previous = (root / "latest").read_text().strip() or None
-    keep = f"'latest' still names {previous}" if previous else "no earlier checkpoint exists"
+    keep = f"'latest' still names {previous}" if previous else "there is no earlier checkpoint"
     free = free_bytes(root)
     if previous and (root / previous).is_dir():
-        need, basis = directory_size(root / previous), f"the size of {previous}"
+        need = directory_size(root / previous)
+        needs = f"about {need / 2**20:.2f} MiB (the size of {previous})"
     else:
-        need, basis = estimate, "model weights + optimizer state"
+        need = estimate
+        needs = f"at least {need / 2**20:.2f} MiB (model weights + optimizer state)"
     if not (any(no_space for _, no_space in failures) or free < need):
         return (
             f"writing checkpoint {root / name} failed ({message}); the partial directory was "
@@ -244,7 +246,7 @@ def save_failure_message(
         ), False
     return (
         f"no space left on the device of {root} while writing checkpoint {name}: "
-        f"{free / 2**20:.2f} MiB free (after removing the partial checkpoint), it needs about "
-        f"{need / 2**20:.2f} MiB ({basis}). {keep}. Free space or set trainer.output_dir to a "
-        "larger disk, then run the same command to resume"
+        f"{free / 2**20:.2f} MiB free (after removing the partial checkpoint), it needs "
+        f"{needs}; {keep}. Free space or set trainer.output_dir to a larger disk, then run "
+        "the same command to resume"
     ), True

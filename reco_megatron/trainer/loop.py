@@ -26,9 +26,9 @@ from reco_megatron.megatron.checkpoint import (
     CheckpointSpaceError,
     latest_checkpoint,
     load_checkpoint,
-    resume_latest,
     save_checkpoint,
 )
+from reco_megatron.megatron.checkpoint_resume import resume_latest
 from reco_megatron.megatron.distributed import initialize_parallel, rank_layout
 from reco_megatron.megatron.engine import ReCoEngine
 from reco_megatron.rewards.pool import RewardPool
