@@ -14,9 +14,10 @@ the same way, in parallel, before any byte is deserialised.
 
 CRC-32 (``zlib.crc32``, which releases the GIL) is for accidental damage (bit rot, torn or
 truncated writes, flipped blocks): it misses a random corruption with probability 2^-32 per
-file, on top of the size check. Measured on this machine (2 shared CPU cores, a 3.2 GB file
-in the page cache, 2026-11-30): crc32 3.8 GB/s, sha1 0.82 GB/s, sha256 0.69 GB/s, blake2b
-0.46 GB/s; writing and fsyncing that file took 19.4 s, hashing it with crc32 0.85 s (4 %).
+file, on top of the size check. Measured on this machine (2 CPU cores shared with other
+jobs, 2026-12-01, docs/stability.md): crc32 1.8-3.9 GB/s, sha256 0.8-1.2 GB/s, blake2b
+0.67-0.83 GB/s on a 2.95 GB file in the page cache; hashing a 2.59 GB checkpoint took 5-11 %
+of its ``save_checkpoint``.
 """
 
 from __future__ import annotations
