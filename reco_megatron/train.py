@@ -17,7 +17,8 @@ Run it::
 Arguments: a YAML config, then ``section.key=value`` overrides (``--help-config`` lists every
 key with its type, default and meaning). The console script ``reco-train`` is the same.
 
-Exit status: 0 done; 2 invalid configuration; 3 stopped by a stability guard; 75 stopped by
+Exit status: 0 done; 2 invalid configuration; 3 stopped by a stability guard or because more
+than ``reward.max_failed_frac`` of a step's rewards failed; 75 stopped by
 SIGTERM/SIGUSR1 after saving a checkpoint (run the same command again to resume).
 """
 

@@ -14,41 +14,67 @@ crash (or a second preemption signal) at any point leaves the previous ``latest`
 model part reshards on load (another TP/PP is fine); the distributed optimizer state is saved
 ``dp_reshardable`` and must be loaded at the same data-parallel size, which is checked with a
 message saying what differs.
+
+Integrity (``checkpoint_integrity``): every file is listed in ``manifest.json`` with its size
+and CRC-32, hashed and fsynced by the rank that wrote it before the directory is renamed;
+the renamed directory and ``latest`` are fsynced too, so after a power loss ``latest`` never
+names data that is not on disk. Loading verifies every file first and refuses a damaged
+checkpoint with :class:`DamagedCheckpointError` naming the file;
+``checkpoint_resume.resume_latest`` then names the previous complete checkpoint, and with
+``on_damaged="fallback"`` moves the damaged one aside (``damaged-step_*``) and resumes from
+the newest one that verifies. Checkpoints
+written before manifests existed load with a warning. A save that runs out of disk space
+raises :class:`CheckpointSpaceError` (free space, needed space, path) and removes its partial
+``.tmp-step_*``; so does ``checkpoint_resume.remove_partial_checkpoints`` at the next start.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from reco_megatron.megatron import checkpoint_integrity as integrity
 from reco_megatron.megatron.checkpoint_compat import (
     load_model_and_optimizer,
     save_model_and_optimizer,
+    state_bytes,
 )
+from reco_megatron.megatron.checkpoint_rng import rng_state, set_rng_state
 from reco_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
 FORMAT_VERSION = 1
-_PREFIX = "step_"
+PREFIX = "step_"
+"""Name prefix of complete checkpoint directories (``step_00000012``)."""
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, corrupted or incompatible with this run."""
 
 
+class DamagedCheckpointError(CheckpointError):
+    """A file of a checkpoint does not match its manifest (missing, other size, other CRC)."""
+
+
+class CheckpointSpaceError(CheckpointError):
+    """A save ran out of disk space (or quota); the message says how much was free and needed."""
+
+
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def _barrier() -> None:
@@ -56,9 +82,26 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _all_gather(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` (a picklable value), on every rank."""
+    if not dist.is_initialized():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _from_rank0(obj: Any) -> Any:
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def checkpoint_name(step: int) -> str:
     """Directory name of the checkpoint after optimizer-loop step ``step``."""
-    return f"{_PREFIX}{step:08d}"
+    return f"{PREFIX}{step:08d}"
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:
@@ -77,48 +120,6 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return path
 
 
-def _rng_state() -> dict[str, Any]:
-    from megatron.core import tensor_parallel
-
-    state: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": _numpy_state_to_tensors(np.random.get_state()),
-        "torch": torch.get_rng_state(),
-        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _numpy_state_to_tensors(state: tuple) -> dict[str, Any]:
-    """numpy's legacy RNG state as tensors/ints, loadable with ``torch.load(weights_only=True)``."""
-    name, keys, pos, has_gauss, cached = state
-    return {
-        "name": name,
-        "keys": torch.from_numpy(keys.astype(np.int64)),
-        "pos": int(pos),
-        "has_gauss": int(has_gauss),
-        "cached": float(cached),
-    }
-
-
-def _numpy_state_from_tensors(state: dict[str, Any]) -> tuple:
-    keys = state["keys"].numpy().astype(np.uint32)
-    return (state["name"], keys, state["pos"], state["has_gauss"], state["cached"])
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    from megatron.core import tensor_parallel
-
-    random.setstate(state["python"])
-    np.random.set_state(_numpy_state_from_tensors(state["numpy"]))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
-
-
 def _layout(engine: Any) -> dict[str, Any]:
     from megatron.core import parallel_state as ps
 
@@ -134,7 +135,12 @@ def _layout(engine: Any) -> dict[str, Any]:
 def save_checkpoint(
     root: str | Path, step: int, engine: Any, trainer_state: dict[str, Any], keep_last: int = 3
 ) -> Path:
-    """Collective: every rank calls it. Returns the final checkpoint directory."""
+    """Collective: every rank calls it. Returns the final checkpoint directory.
+
+    Raises :class:`CheckpointSpaceError` on every rank when the disk is full (the partial
+    directory is removed, ``latest`` is untouched) and :class:`CheckpointError` for any other
+    failure to write.
+    """
     root = Path(root)
     final = root / checkpoint_name(step)
     tmp = root / f".tmp-{checkpoint_name(step)}"
@@ -144,35 +150,100 @@ def save_checkpoint(
         (tmp / "dist").mkdir(parents=True)
         (tmp / "rng").mkdir()
     _barrier()
-    save_model_and_optimizer(str(tmp / "dist"), engine.unwrapped(), engine.optimizer)
-    torch.save(_rng_state(), tmp / "rng" / f"rank_{_rank():05d}.pt")
-    _barrier()
-    if _rank() == 0:
-        meta = {
-            "format_version": FORMAT_VERSION,
-            "step": step,
-            "optimizer_steps": engine.optimizer_steps,
-            "trainer_state": trainer_state,
-            "scheduler": engine.scheduler.state_dict(),
-            "layout": _layout(engine),
-        }
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        pointer_tmp = root / "latest.tmp"
-        pointer_tmp.write_text(final.name + "\n")
-        os.replace(pointer_tmp, root / "latest")
-        _prune(root, keep_last)
-        logger.info("saved checkpoint %s", final)
-    _barrier()
+    error: BaseException | None = None
+    try:
+        save_model_and_optimizer(str(tmp / "dist"), engine.unwrapped(), engine.optimizer)
+        torch.save(rng_state(), tmp / "rng" / f"rank_{_rank():05d}.pt")
+    # dist_checkpointing raises torch's CheckpointException (a BaseException) on every rank
+    except (Exception, CheckpointException) as exc:
+        error = exc
+    entries: dict[str, Any] = {}
+    # after the attempt: the optimizer's moments exist by now, even when the write failed
+    estimate = state_bytes(engine.unwrapped(), engine.optimizer, _layout_dp(engine))
+    gathered = _all_gather((_describe(error), estimate))
+    failures = [f for f, _ in gathered if f is not None]
+    if not failures:  # every rank hashes (and fsyncs) the files it wrote, in parallel
+        try:
+            entries = integrity.hash_owned(tmp, _rank(), _world(), fsync=True)
+        except OSError as exc:
+            error = exc
+        hashed = _all_gather((_describe(error), entries))
+        failures = [f for f, _ in hashed if f is not None]
+        entries = {k: v for _, part in hashed for k, v in part.items()}
+    if not failures and _rank() == 0:
+        try:
+            _finish_save(root, tmp, final, engine, step, trainer_state, entries, keep_last)
+        except OSError as exc:
+            failures = [_describe(exc)]
+    failures = _from_rank0(failures)
+    if failures:
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        _barrier()
+        message, no_space = integrity.save_failure_message(
+            root, final.name, failures, sum(e for _, e in gathered)
+        )
+        raise (CheckpointSpaceError if no_space else CheckpointError)(message)
     return final
+
+
+def _layout_dp(engine: Any) -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_world_size()
+
+
+def _describe(exc: BaseException | None) -> tuple[str, bool] | None:
+    """A picklable summary of a rank's failure: (message, is a full disk)."""
+    if exc is None:
+        return None
+    return f"{type(exc).__name__}: {exc}"[:2000], integrity.is_no_space(exc)
+
+
+def _finish_save(
+    root: Path,
+    tmp: Path,
+    final: Path,
+    engine: Any,
+    step: int,
+    trainer_state: dict[str, Any],
+    entries: dict[str, Any],
+    keep_last: int,
+) -> None:
+    """Rank 0, after every rank's files are written and hashed: meta.json, the manifest,
+    fsync of the directories, rename, then ``latest``."""
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "optimizer_steps": engine.optimizer_steps,
+        "trainer_state": trainer_state,
+        "scheduler": engine.scheduler.state_dict(),
+        "layout": _layout(engine),
+    }
+    integrity.write_durable(tmp / "meta.json", json.dumps(meta, indent=1, sort_keys=True))
+    size, crc = integrity.file_crc32(tmp / "meta.json")
+    entries = {**entries, "meta.json": {"size": size, integrity.ALGORITHM: crc}}
+    manifest = {"format": 1, "algorithm": integrity.ALGORITHM, "files": entries}
+    missing = set(integrity.list_files(tmp)) - set(entries)
+    if missing:
+        raise OSError(f"files written but not hashed: {sorted(missing)}")
+    text = json.dumps(manifest, indent=1, sort_keys=True)
+    integrity.write_durable(tmp / integrity.MANIFEST, text)
+    for sub in ("dist", "rng", "."):
+        integrity.fsync_dir(tmp / sub)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    integrity.fsync_dir(root)
+    integrity.write_durable(root / "latest", final.name + "\n")
+    _prune(root, keep_last)
+    logger.info("saved checkpoint %s (%d files with checksums)", final, len(entries))
 
 
 def _prune(root: Path, keep_last: int) -> None:
     if keep_last <= 0:
         return
-    done = sorted(p for p in root.glob(f"{_PREFIX}*") if (p / "meta.json").exists())
+    done = sorted(p for p in root.glob(f"{PREFIX}*") if (p / "meta.json").exists())
     for old in done[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -218,8 +289,13 @@ def check_compatible(meta: dict[str, Any], engine: Any, with_optimizer: bool) ->
 def load_checkpoint(
     path: str | Path, engine: Any, *, load_optimizer: bool = True, load_rng: bool = True
 ) -> dict[str, Any]:
-    """Load a checkpoint into ``engine``; returns the saved trainer state (collective)."""
+    """Load a checkpoint into ``engine``; returns the saved trainer state (collective).
+
+    Every file is checked against the manifest first (:func:`verify_checkpoint`): a damaged
+    checkpoint raises :class:`DamagedCheckpointError` before anything is loaded.
+    """
     path = Path(path)
+    verify_checkpoint(path)
     meta = read_meta(path)
     check_compatible(meta, engine, with_optimizer=load_optimizer)
     try:
@@ -247,7 +323,37 @@ def load_checkpoint(
                 f"({meta['layout']['world_size']} ranks); resume with that many, or pass "
                 "load_rng=False"
             )
-        _set_rng_state(torch.load(rng_file, weights_only=True))
+        set_rng_state(torch.load(rng_file, weights_only=True))
     _barrier()
     logger.info("loaded checkpoint %s (step %d)", path, meta["step"])
     return meta["trainer_state"]
+
+
+def verify_checkpoint(path: str | Path) -> bool:
+    """Check every file of a checkpoint against its manifest (collective: each rank checks
+    the files it owns, see ``checkpoint_integrity.owner``). Returns False (with a warning) for
+    a checkpoint written before manifests existed; raises :class:`DamagedCheckpointError`
+    naming each damaged file."""
+    path = Path(path)
+    problems: list[str] = []
+    try:
+        manifest = integrity.read_manifest(path)
+    except ValueError as exc:
+        manifest, problems = None, [str(exc)]
+    if manifest is None and not problems:
+        logger.warning(
+            "%s has no %s (written before checkpoints had checksums): loading it unverified",
+            path,
+            integrity.MANIFEST,
+        )
+        return False
+    if manifest is not None:
+        problems = integrity.verify_owned(path, manifest, _rank(), _world())
+    problems = [p for part in _all_gather(problems) for p in part]
+    if problems:
+        more = f" (and {len(problems) - 1} more: {'; '.join(problems[1:4])})"
+        more = more if problems[1:] else ""
+        raise DamagedCheckpointError(
+            f"checkpoint {path} is damaged: {problems[0]}{more}; nothing was loaded from it"
+        )
+    return True

@@ -11,11 +11,21 @@ A resume that reproduces the uninterrupted run needs four things megatron leaves
 4. After ``load_state_dict`` torch's Adam ``step`` is one tensor shared by every parameter of a
    group; Adam increments it once per parameter, so the next step would use a wrong bias
    correction. :func:`untie_adam_steps` gives each parameter its own copy.
+
+Saves are synchronous and need no helper process. dist_checkpointing collects the write
+results of its writer threads through a module-level queue that it creates, on first use, as a
+``multiprocessing`` *Manager* queue: a spawned server process (plus Python's resource tracker)
+that is only needed for megatron's asynchronous saves. That process dies from the SIGTERM that
+Slurm sends to every process of a job step (the next save then fails with BrokenPipeError) and
+outlives a SIGKILLed trainer. :func:`save_model_and_optimizer` hands megatron a plain in-process
+``queue.Queue`` instead (fresh for every save), so no helper process is ever started.
 """
 
 from __future__ import annotations
 
 import os
+import queue
+import sys
 from typing import Any
 
 import torch
@@ -29,6 +39,7 @@ __all__ = [
     "load_model_and_optimizer",
     "save_model_and_optimizer",
     "shutdown_async_writer",
+    "state_bytes",
     "untie_adam_steps",
 ]
 
@@ -120,6 +131,7 @@ def save_model_and_optimizer(
         state["optimizer"] = optimizer.sharded_state_dict(
             _merged(model_states), is_loading=False, metadata=DISTRIB_OPTIM_METADATA
         )
+    _in_process_write_results()
     compat.dist_checkpointing_save(state, checkpoint_dir, **save_kwargs)
     logger.info("saved %s to %s", ", ".join(state), checkpoint_dir)
 
@@ -151,19 +163,58 @@ def load_model_and_optimizer(
     logger.info("loaded %s from %s", ", ".join(template), checkpoint_dir)
 
 
-def shutdown_async_writer() -> None:
-    """Stop the multiprocessing Manager that dist_checkpointing starts on its first save.
+_ASYNC_MODULE = "megatron.core.dist_checkpointing.strategies.filesystem_async"
 
-    megatron keeps it in a module-level queue for the life of the process; a process that ends
-    without this leaves the Manager process behind. Safe to call when nothing was saved.
-    """
-    import sys
 
-    module = sys.modules.get("megatron.core.dist_checkpointing.strategies.filesystem_async")
-    queue = getattr(module, "_results_queue", None)
-    if module is None or queue is None:
+def _in_process_write_results() -> None:
+    """Give dist_checkpointing's synchronous writer an in-process results queue (module
+    docstring): the writer threads run in this process, so ``put``/``get_nowait`` on a
+    ``queue.Queue`` is all it needs. A fresh queue per save: a save that failed between its
+    ``put`` and its ``get`` cannot leave a stale result for the next one."""
+    import importlib
+
+    module = importlib.import_module(_ASYNC_MODULE)
+    if not hasattr(module, "_results_queue"):  # a megatron that no longer keeps one
+        logger.warning(
+            "%s has no _results_queue: dist_checkpointing may start a helper process that a "
+            "process-group SIGTERM kills",
+            _ASYNC_MODULE,
+        )
         return
-    manager = getattr(queue, "_manager", None)
+    shutdown_async_writer()
+    module._results_queue = queue.Queue()
+
+
+def state_bytes(model: Any, optimizer: Any, dp_size: int) -> int:
+    """Bytes this rank adds to a checkpoint, roughly: its model shard (replicated over the
+    ``dp_size`` data-parallel ranks, so counted once in ``dp_size``) plus the optimizer state
+    it holds (fp32 main parameters and Adam moments, sharded over data-parallel ranks)."""
+    model_bytes = sum(
+        p.numel() * p.element_size() for chunk in _chunks(model) for p in chunk.parameters()
+    )
+    opt_bytes = 0
+    for opt in _inner_optimizers(optimizer):
+        inner = getattr(opt, "optimizer", None)
+        if inner is None:
+            continue
+        for group in inner.param_groups:
+            opt_bytes += sum(p.numel() * p.element_size() for p in group["params"])
+        for state in inner.state.values():
+            opt_bytes += sum(
+                t.numel() * t.element_size() for t in state.values() if isinstance(t, torch.Tensor)
+            )
+    return model_bytes // max(dp_size, 1) + opt_bytes
+
+
+def shutdown_async_writer() -> None:
+    """Stop a multiprocessing Manager that dist_checkpointing started for its results queue
+    (none when every save went through :func:`save_model_and_optimizer`), and forget the
+    queue. Safe to call when nothing was saved."""
+    module = sys.modules.get(_ASYNC_MODULE)
+    results = getattr(module, "_results_queue", None)
+    if module is None or results is None:
+        return
+    manager = getattr(results, "_manager", None)
     module._results_queue = None
     if manager is not None:
         manager.shutdown()

@@ -1,6 +1,8 @@
 """One reward worker process, started by :class:`~reco_megatron.rewards.pool.RewardPool` as
-``python -m reco_megatron.rewards._worker FD`` (a fresh interpreter: nothing is forked from
-the trainer, and the caller's ``__main__`` is never re-imported).
+``python -m reco_megatron.rewards._worker FD PARENT_PID`` (a fresh interpreter: nothing is
+forked from the trainer, and the caller's ``__main__`` is never re-imported). It ignores the
+job's stop signals (SIGTERM, SIGINT, SIGUSR1: the trainer decides when it ends) and is
+SIGKILLed by the kernel when the trainer dies (``reco_megatron.utils.processes``).
 
 Protocol over a duplex ``Connection`` on the inherited socket ``FD``: the pool first sends
 ``(sys_path, spec, memory_limit_mb)``; the worker sends ``("ready", None)`` or
@@ -18,7 +20,8 @@ import sys
 import traceback
 from multiprocessing.connection import Connection
 
-from reco_megatron.rewards.types import ERROR, MEMORY
+from reco_megatron.rewards.types import ERROR, INVALID, MEMORY, NAN, NONE
+from reco_megatron.utils.processes import die_with_parent, ignore_stop_signals
 
 
 def limit_memory(memory_limit_mb: int | None) -> None:
@@ -54,8 +57,10 @@ def worker_main(conn: Connection, spec: str, memory_limit_mb: int | None) -> Non
             return
         item_id, response, gold = message
         try:
-            score, status = coerce_result(fn(response, gold))
-            conn.send((item_id, score, status, ""))
+            value = fn(response, gold)
+            score, status = coerce_result(value)
+            detail = f"returned {value!r}"[:300] if status in (INVALID, NAN, NONE) else ""
+            conn.send((item_id, score, status, detail))
         except MemoryError:
             conn.send((item_id, 0.0, MEMORY, "MemoryError"))
             return
@@ -65,8 +70,12 @@ def worker_main(conn: Connection, spec: str, memory_limit_mb: int | None) -> Non
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point: ``python -m reco_megatron.rewards._worker FD``."""
-    fd = int((argv if argv is not None else sys.argv[1:])[0])
+    """Entry point: ``python -m reco_megatron.rewards._worker FD PARENT_PID``."""
+    args = argv if argv is not None else sys.argv[1:]
+    ignore_stop_signals()
+    if len(args) > 1:
+        die_with_parent(int(args[1]))
+    fd = int(args[0])
     conn = Connection(fd)
     try:
         sys_path, spec, memory_limit_mb = conn.recv()

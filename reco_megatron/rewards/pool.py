@@ -6,9 +6,11 @@ multiprocessing's ``spawn``, which re-imports the caller's ``__main__``) that ca
 address space with ``RLIMIT_AS`` and imports the reward function once. The parent hands one
 item at a time to each worker and watches the clock: an item past ``timeout_s`` gets its
 worker SIGKILLed and replaced, and scores 0.0; a worker that dies scores 0.0 and is
-replaced; a MemoryError scores 0.0. Responses are cut to their last ``max_response_chars``
-characters before they are sent. The caller always gets one finite score per item and
-counts of what went wrong::
+replaced; a MemoryError, an exception, or a return value that is not a finite number (NaN,
+None, a string) scores 0.0. Each kind of failure (``types.FAILURE_KINDS``) is counted and
+logged once per pool with an example. Responses are cut to their last
+``max_response_chars`` characters before they are sent. The caller always gets one finite
+score per item and counts of what went wrong::
 
     with RewardPool(RewardPoolConfig(reward="math", num_workers=4)) as pool:
         batch = pool.score(responses, golds)      # batch.scores: list[float], len == B
@@ -57,6 +59,10 @@ class RewardPoolConfig:
     """How long a new worker may take to import the reward function."""
     self_check: bool = True
     """Score ``("", "")`` at start-up and raise if the function returns a non-number."""
+    max_failed_frac: float = 0.5
+    """Stop the run (exit 3) when more than this share of one step's rewards failed (raised,
+    NaN, None, non-number, MemoryError, timeout, crash: ``reward_fail_*`` in metrics.jsonl);
+    1.0 never stops. A reward that fails on most items trains on zeros, not on the task."""
 
     def __post_init__(self) -> None:
         checks = {
@@ -67,6 +73,12 @@ class RewardPoolConfig:
             "start_timeout_s": self.start_timeout_s > 0,
             "memory_limit_mb": self.memory_limit_mb is None or self.memory_limit_mb >= 64,
         }
+        frac = self.max_failed_frac
+        if isinstance(frac, bool) or not isinstance(frac, int | float) or not 0 <= frac <= 1:
+            raise ValueError(
+                f"reward.max_failed_frac={frac!r} must be a share in [0, 1] (e.g. 0.5 stops "
+                "when more than half of a step's rewards failed; 1.0 never stops)"
+            )
         for name, ok in checks.items():
             if not ok:
                 raise ValueError(
@@ -102,6 +114,7 @@ class RewardPool:
         resolve_reward(self.config.reward)  # fail fast, in the caller, with a clear message
         self._workers: list[_Worker] = []
         self._checking = False
+        self._warned: set[str] = set()
         self.restarts = 0
         try:
             self._workers = [self._start_worker() for _ in range(self.config.num_workers)]
@@ -120,7 +133,7 @@ class RewardPool:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
         fd = child_sock.fileno()
         proc = subprocess.Popen(
-            [sys.executable, "-m", "reco_megatron.rewards._worker", str(fd)],
+            [sys.executable, "-m", "reco_megatron.rewards._worker", str(fd), str(os.getpid())],
             pass_fds=(fd,),
             env=env,
             stdin=subprocess.DEVNULL,
@@ -177,7 +190,7 @@ class RewardPool:
             batch = self.score([""], [""])
         finally:
             self._checking = False
-        if batch.statuses[0] == st.INVALID:
+        if batch.statuses[0] in (st.INVALID, st.NAN, st.NONE):
             raise RewardSpecError(
                 f"reward {self.config.reward!r} returned a non-number (or an unknown status) for "
                 "('', ''): it must return a finite float or a RewardResult"
@@ -236,10 +249,14 @@ class RewardPool:
         restarts_before = self.restarts
         in_flight = 0
 
-        def finish(index: int, worker_index: int, score: float, status: str) -> None:
+        def finish(
+            index: int, worker_index: int, score: float, status: str, detail: str = ""
+        ) -> None:
             nonlocal in_flight
             worker = self._workers[worker_index]
             scores[index], statuses[index] = score, status
+            if status in st.FAILURE_KINDS and not self._checking:
+                self._warn_once(status, items[index], detail)
             latency[index] = time.monotonic() - worker.item_started
             worker.item = None
             in_flight -= 1
@@ -268,7 +285,7 @@ class RewardPool:
             now = time.monotonic()
             for w_index, worker in enumerate(self._workers):
                 if worker.item is not None and now - worker.item_started > cfg.timeout_s:
-                    finish(worker.item, w_index, 0.0, st.TIMEOUT)
+                    finish(worker.item, w_index, 0.0, st.TIMEOUT, f"over {cfg.timeout_s} s")
                     self._replace(w_index)
                 elif not worker.ready and now - worker.started > cfg.start_timeout_s:
                     raise RuntimeError(
@@ -291,15 +308,29 @@ class RewardPool:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 worker.proc.wait(timeout=1)
             item, code = worker.item, worker.proc.returncode
-            finish(item, w_index, 0.0, st.CRASH)
+            finish(item, w_index, 0.0, st.CRASH, f"the worker died with exit code {code}")
             self._replace(w_index)
-            log.warning("reward worker died (exit code %s) on item %s; replaced it", code, item)
             return
-        if status == st.ERROR and not self._checking:
-            log.warning("reward function raised on item %d: %s", index, detail)
-        finish(index, w_index, score, status)
+        finish(index, w_index, score, status, detail)
         if status == st.MEMORY:
             self._replace(w_index)
+
+    def _warn_once(self, status: str, item: tuple[str, str] | None, detail: str) -> None:
+        """Log the first failure of each kind with its example; later ones are only counted."""
+        if status in self._warned:
+            return
+        self._warned.add(status)
+        response, gold = item if item is not None else ("", "")
+        log.warning(
+            "reward %r failed (%s) on response %r (gold %r): %s; the item scores 0.0 and "
+            "every such failure is counted in reward_fail_%s (logged once per kind)",
+            self.config.reward,
+            st.FAILURE_KINDS[status],
+            response[-120:],
+            gold[:60],
+            detail or status,
+            st.FAILURE_KINDS[status],
+        )
 
     @staticmethod
     def _metrics(
@@ -320,7 +351,7 @@ class RewardPool:
         }
         names = {st.PARSE_FAILURE: "parse_failures", st.TIMEOUT: "timeouts", st.CRASH: "crashes"}
         names |= {st.MEMORY: "memory_errors", st.ERROR: "errors", st.INVALID: "invalid"}
-        names |= {st.NO_ANSWER: "no_answer"}
+        names |= {st.NO_ANSWER: "no_answer", st.NAN: "nan_scores", st.NONE: "none_scores"}
         for status, name in names.items():
             metrics[f"reward/{name}/sum"] = float(counts.get(status, 0))
         return metrics

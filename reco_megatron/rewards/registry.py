@@ -15,7 +15,7 @@ import math
 import numbers
 from collections.abc import Callable
 
-from reco_megatron.rewards.types import INVALID, OK, STATUSES, RewardResult
+from reco_megatron.rewards.types import INVALID, NAN, NONE, OK, STATUSES, RewardResult
 
 BUILTIN_REWARDS: dict[str, str] = {
     "math": "reco_megatron.rewards.math_reward:math_reward_result",
@@ -79,8 +79,9 @@ def coerce_result(value: object) -> RewardResult:
     """Turn a reward function's return value into a :class:`RewardResult`.
 
     Accepted: a finite real number (int, float, numpy scalar; a bool counts as 0/1),
-    or a ``RewardResult`` with a finite score and a known status. Anything else is
-    ``(0.0, "invalid")``.
+    or a ``RewardResult`` with a finite score and a known status. Anything else scores 0.0
+    with status ``"none"`` (None), ``"nan"`` (NaN or an infinity) or ``"invalid"`` (a string,
+    another object, an unknown status, an int too large for a float).
     """
     if isinstance(value, RewardResult):
         score, status = value
@@ -88,6 +89,8 @@ def coerce_result(value: object) -> RewardResult:
             return RewardResult(0.0, INVALID)
     else:
         score, status = value, OK
+    if score is None:
+        return RewardResult(0.0, NONE)
     if isinstance(score, bool):
         score = float(score)
     if not isinstance(score, numbers.Real):
@@ -97,5 +100,5 @@ def coerce_result(value: object) -> RewardResult:
     except OverflowError:
         return RewardResult(0.0, INVALID)
     if not math.isfinite(score):
-        return RewardResult(0.0, INVALID)
+        return RewardResult(0.0, NAN)
     return RewardResult(score, status)

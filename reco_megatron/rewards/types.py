@@ -19,11 +19,26 @@ TIMEOUT = "timeout"  # the worker exceeded the per-item timeout and was killed
 CRASH = "crash"  # the worker process died (segfault, os._exit, killed by the OS)
 MEMORY = "memory"  # MemoryError under the worker's address-space limit
 ERROR = "error"  # the reward function raised an exception
-INVALID = "invalid"  # the reward function returned something that is not a finite number
+INVALID = "invalid"  # the reward function returned a non-number (a str, an object, ...)
+NAN = "nan"  # the reward function returned NaN or an infinity
+NONE = "none"  # the reward function returned None (a missing ``return``)
 
 FUNCTION_STATUSES: tuple[str, ...] = (OK, NO_ANSWER, PARSE_FAILURE)
-POOL_STATUSES: tuple[str, ...] = (TIMEOUT, CRASH, MEMORY, ERROR, INVALID)
+POOL_STATUSES: tuple[str, ...] = (TIMEOUT, CRASH, MEMORY, ERROR, INVALID, NAN, NONE)
 STATUSES: tuple[str, ...] = FUNCTION_STATUSES + POOL_STATUSES
+
+FAILURE_KINDS: dict[str, str] = {
+    ERROR: "raised",
+    NAN: "nan",
+    NONE: "none",
+    INVALID: "not_a_number",
+    MEMORY: "memory",
+    TIMEOUT: "timeout",
+    CRASH: "crash",
+}
+"""Statuses where the reward *function* failed (the item scores 0.0 without a verdict), and
+the name each is counted under (``reward_fail_<name>`` in ``metrics.jsonl``). ``no_answer`` and
+``parse_failure`` are verdicts on the response, not failures."""
 
 
 class RewardResult(NamedTuple):

@@ -208,6 +208,11 @@ class CheckpointConfig:
     ours; docs/weights.md)."""
     resume: bool = True
     """Resume from ``<output_dir>/checkpoints/latest`` when it exists."""
+    on_damaged: Literal["stop", "fallback"] = "stop"
+    """When a file of the checkpoint to resume from fails its checksum: ``stop`` (refuse, name
+    the file and the previous complete checkpoint) or ``fallback`` (move the damaged one aside
+    to ``damaged-step_*``, point ``latest`` at the previous complete checkpoint, resume from
+    it; docs/stability.md)."""
 
     def __post_init__(self) -> None:
         _check_ints(

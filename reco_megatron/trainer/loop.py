@@ -22,15 +22,25 @@ from reco_megatron.config import dump_config
 from reco_megatron.data.chat import PromptFormatter
 from reco_megatron.data.sampler import PromptSampler
 from reco_megatron.megatron.batch import data_parallel_groups, data_parallel_share
-from reco_megatron.megatron.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from reco_megatron.megatron.checkpoint import (
+    CheckpointSpaceError,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
+from reco_megatron.megatron.checkpoint_resume import resume_latest
 from reco_megatron.megatron.device import collective_device
 from reco_megatron.megatron.distributed import initialize_parallel, rank_layout
 from reco_megatron.megatron.engine import ReCoEngine
 from reco_megatron.rewards.pool import RewardPool
-from reco_megatron.trainer import setup
+from reco_megatron.trainer import reward_health, setup
 from reco_megatron.trainer.config import TrainConfig
 from reco_megatron.trainer.guards import EXIT_RESUMABLE, StabilityGuard, StopSignal
-from reco_megatron.trainer.metrics_writer import MetricsWriter, plot_training_curves
+from reco_megatron.trainer.metrics_writer import (
+    MetricsWriter,
+    plot_training_curves,
+    truncate_jsonl,
+)
 from reco_megatron.trainer.preflight import preflight
 from reco_megatron.trainer.rollout_batch import build_rollout_batch
 from reco_megatron.trainer.step_metrics import global_row, rollout_counters
@@ -94,6 +104,8 @@ class Trainer:
             raise
         if self.rank == 0:
             dump_config(cfg, self.out / "config.yaml")
+            for name in ("metrics.jsonl", "eval.jsonl"):  # rows after the resumed step are redone
+                truncate_jsonl(self.out / name, self.step)
         self.coverage = self._coverage_evaluator()
         self.writer = (
             MetricsWriter(
@@ -114,9 +126,14 @@ class Trainer:
 
     def _initialise_weights(self) -> None:
         cfg = self.cfg.checkpoint
-        latest = latest_checkpoint(self.ckpt_root) if cfg.resume else None
-        if latest is not None:
-            state = load_checkpoint(latest, self.engine)
+        resumed = (
+            resume_latest(self.ckpt_root, self.engine, on_damaged=cfg.on_damaged)
+            if cfg.resume
+            else None
+        )
+        latest = None
+        if resumed is not None:
+            latest, state = resumed
             self.step = int(state["step"])
             self.sampler.load_state_dict(state["sampler"])
             if state.get("rollout") is not None:
@@ -174,20 +191,28 @@ class Trainer:
         completions = self.rollout.generate_seeded(prompts, r.group_size, seeds)
         return prompts, completions, [rec.answer for rec in records], mine
 
-    def _score(self, texts: list[str], golds: list[str]) -> tuple[torch.Tensor, dict[str, float]]:
-        scores = torch.zeros(len(texts), dtype=torch.float64)
+    def _score(
+        self, texts: list[str], golds: list[str]
+    ) -> tuple[torch.Tensor, dict[str, float], dict[str, float]]:
+        """Scores ``[B]`` (from the first rank of this model-parallel group), the pool's
+        metrics (that rank's), and the step's global reward-failure columns."""
+        n = len(texts)
+        scores = torch.zeros(n, dtype=torch.float64)
         metrics: dict[str, float] = {}
+        statuses = None
         if self.rewards is not None:
             batch = self.rewards.score(texts, golds)
             scores = torch.tensor(batch.scores, dtype=torch.float64)
-            metrics = dict(batch.metrics)
+            metrics, statuses = dict(batch.metrics), batch.statuses
         group = self.layout.mp_group
+        buf = torch.cat([scores, reward_health.local_counts(statuses, n)])
+        buf = buf.to(collective_device(group))
         if dist.get_world_size(group) > 1:
-            src = dist.get_global_rank(group, 0)
-            buf = scores.to(collective_device(group))
-            dist.broadcast(buf, src=src, group=group)
-            scores = buf.cpu()
-        return scores.float(), metrics
+            dist.broadcast(buf, src=dist.get_global_rank(group, 0), group=group)
+        counts = buf[n:].clone()
+        if self.dp_size > 1:
+            dist.all_reduce(counts, group=self.layout.dp_group)
+        return buf[:n].cpu().float(), metrics, reward_health.failure_row(counts.cpu())
 
     def train_step(self) -> dict[str, Any]:
         cfg = self.cfg
@@ -202,7 +227,12 @@ class Trainer:
 
         t0 = time.perf_counter()
         texts = [self.tokenizer.decode(ids) for ids in responses]
-        rewards, reward_metrics = self._score(texts, [gold for gold in golds for _ in range(g)])
+        rewards, reward_metrics, failures = self._score(
+            texts, [gold for gold in golds for _ in range(g)]
+        )
+        reward_health.check_failures(
+            self.step + 1, failures, cfg.reward.max_failed_frac, cfg.reward.reward
+        )
         advantages, adv_metrics = group_advantages(
             rewards, g, cfg.loss.advantage_mode, eps=cfg.loss.advantage_eps
         )
@@ -226,6 +256,7 @@ class Trainer:
         row = global_row(
             self.step, local, steps, prep, reward_metrics, adv_metrics, self.engine, self.layout
         )
+        row.update(failures)
         row.update(times)
         return row
 
@@ -236,9 +267,16 @@ class Trainer:
             "sampler": self.sampler.state_dict(),
             "rollout": self.rollout.state_dict(),
         }
-        save_checkpoint(
-            self.ckpt_root, self.step, self.engine, state, keep_last=self.cfg.checkpoint.keep_last
-        )
+        try:
+            save_checkpoint(
+                self.ckpt_root,
+                self.step,
+                self.engine,
+                state,
+                keep_last=self.cfg.checkpoint.keep_last,
+            )
+        except CheckpointSpaceError as exc:  # the message says it all: no traceback
+            raise SystemExit(f"reco-train: {exc}") from None
 
     def _stop_requested(self, stop: StopSignal) -> bool:
         """Whether any rank received a stop signal (collective, so all ranks agree)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +85,47 @@ class MetricsWriter:
             self._tb.close()
         if self._bar is not None:
             self._bar.close()
+
+
+def truncate_jsonl(path: Path, last_step: int) -> int:
+    """Keep the rows of ``path`` with ``step <= last_step``; returns how many were dropped.
+
+    A run resumed from the checkpoint of step S redoes the steps after S, so their rows from
+    the interrupted attempt must go, or every such step would appear twice. The file is
+    replaced atomically (temporary file, fsync, rename); the dropped lines are appended to
+    ``<path>.discarded`` so nothing is lost. A line that is not JSON (the interrupted
+    attempt's last write cut short) is dropped too.
+    """
+    if not path.exists():
+        return 0
+    keep, drop = [], []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        try:
+            step = json.loads(line)["step"]
+            (keep if isinstance(step, int) and step <= last_step else drop).append(line)
+        except (json.JSONDecodeError, KeyError, TypeError):
+            drop.append(line)
+    if not drop:
+        return 0
+    with path.with_name(path.name + ".discarded").open("a", encoding="utf-8") as f:
+        f.write("".join(line + "\n" for line in drop))
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        f.write("".join(line + "\n" for line in keep))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    logger.warning(
+        "%s: dropped %d row(s) after step %d, written by a run stopped before its next "
+        "checkpoint (kept in %s.discarded)",
+        path,
+        len(drop),
+        last_step,
+        path.name,
+    )
+    return len(drop)
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

@@ -14,6 +14,7 @@ from reco_megatron.data.countdown import generate, write_splits
 from reco_megatron.data.dataset import PromptDataset
 from reco_megatron.data.tokenizer import Tokenizer
 from reco_megatron.megatron.batch import RolloutBatch
+from reco_megatron.megatron.checkpoint_resume import remove_partial_checkpoints
 from reco_megatron.trainer.config import TrainConfig
 from reco_megatron.utils.logging import get_logger
 
@@ -33,10 +34,13 @@ def prepare_output_dir(path: str | Path) -> Path:
     """Create ``path`` and prove it is writable with room to spare, before any compute.
 
     Raises:
-        ConfigError: not writable, or under :data:`MIN_FREE_BYTES` free; nothing is left
-            behind (a directory this call created is removed again).
+        ConfigError: not writable, or under :data:`MIN_FREE_BYTES` free once the partial
+            checkpoints of an interrupted save are removed; nothing is left behind (a
+            directory this call created is removed again).
     """
     out = Path(path)
+    # a save cut short (SIGKILL, full disk) leaves .tmp-step_*: it must not eat the space
+    remove_partial_checkpoints(out / "checkpoints")
     free = shutil.disk_usage(_nearest_existing(out)).free
     if free < MIN_FREE_BYTES:
         raise ConfigError(

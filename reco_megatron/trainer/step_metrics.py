@@ -54,7 +54,7 @@ def global_row(
 ) -> dict[str, Any]:
     """One ``metrics.jsonl`` row: the rollout counters summed over DP ranks (collective over
     ``layout.dp_group``), the engine's per-update metrics (already global, broadcast from the
-    last stage) averaged over the updates of this step, and the reward failure counters."""
+    last stage) averaged over the updates of this step, and the parse failures of the responses."""
     keys = sorted(local)
     t = torch.tensor([local[k] for k in keys], dtype=torch.float64)
     t = t.to(collective_device(layout.dp_group))
@@ -91,6 +91,7 @@ def global_row(
     row["updates_skipped"] = sum(m.get("update_skipped", 0.0) for m in last)
     row["zero_adv_frac"] = float(adv_metrics.get("zero_adv_frac/mean", float("nan")))
     for key, value in reward_metrics.items():
-        if key.endswith("/sum") and ("timeout" in key or "failure" in key or "crash" in key):
-            row["reward_" + key.split("/")[-2]] = value
+        # failures of the reward function: reward_health's reward_fail_* (global counts)
+        if key == "reward/parse_failures/sum":
+            row["reward_parse_failures"] = value
     return row

@@ -119,8 +119,11 @@ def _expect_error(rank, world_size, root, mode):
     ("mode", "match"),
     [
         ("missing", "no meta.json"),
-        ("corrupt_meta", "corrupted"),
-        ("corrupt_weights", "could not read the weights"),
+        ("corrupt_meta", "meta.json: size 9 bytes"),
+        ("corrupt_weights", "is damaged"),
+        # written before checksums (no manifest): the readers' own errors still name the cause
+        ("corrupt_meta/old", "corrupted"),
+        ("corrupt_weights/old", "could not read the weights"),
         ("other_model", "model.hidden_size: checkpoint 32 vs config 64"),
         ("other_dp", "data-parallel size: checkpoint 2 vs run 1"),
     ],
@@ -132,9 +135,11 @@ def test_bad_checkpoints_give_clear_errors(mode, match, reference, tmp_path) -> 
     elif mode != "missing":
         run_distributed(_save_body, 1, args=(1, str(root), reference), timeout=120)
     step = root / "step_00000005"
-    if mode == "corrupt_meta":
+    if mode.endswith("/old"):
+        (step / "manifest.json").unlink()
+    if mode.startswith("corrupt_meta"):
         (step / "meta.json").write_text("{not json")
-    if mode == "corrupt_weights":
+    if mode.startswith("corrupt_weights"):
         for f in (step / "dist").rglob("*.distcp"):
             f.write_bytes(b"\0" * 16)
     message = run_distributed(_expect_error, 1, args=(str(root), mode), timeout=120)[0]

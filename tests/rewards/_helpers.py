@@ -62,3 +62,44 @@ def one_arg(response: str) -> float:
 
 
 NOT_CALLABLE = 3
+
+
+def fails_by_command(response: str, gold: str) -> object:
+    """Each failure kind on demand: the response names it ("raise", "nan", "inf", "none",
+    "str", "memory", "hang", "die"); anything else behaves like :func:`exact`."""
+    if response == "raise":
+        raise KeyError("no such key")
+    if response == "memory":
+        raise MemoryError
+    if response == "hang":
+        time.sleep(3600)
+    if response == "die":
+        os._exit(3)
+    returns = {"nan": float("nan"), "inf": float("-inf"), "none": None, "str": "1.0"}
+    if response in returns:
+        return returns[response]
+    return exact(response, gold)
+
+
+def sleeps_on_sleep(response: str, gold: str) -> float:
+    """Sleeps an hour when the response is "sleep" (a worker busy when its parent dies)."""
+    if response == "sleep":
+        time.sleep(3600)
+    return exact(response, gold)
+
+
+def nan_after_self_check(response: str, gold: str) -> float:
+    """0.0 for the pool's start-up check ``("", "")``, NaN for every real item (a reward that
+    passes the check and later breaks)."""
+    return 0.0 if (response, gold) == ("", "") else float("nan")
+
+
+def fails_on_some_targets(response: str, gold: str) -> object:
+    """Countdown golds ``target=T numbers=...``: raises when T % 3 == 0, returns None when
+    T % 3 == 1, else 0.0 (about two thirds of the items fail, in two kinds)."""
+    if (response, gold) == ("", ""):
+        return 0.0
+    target = int(gold.split()[0].removeprefix("target="))
+    if target % 3 == 0:
+        raise ValueError(f"cannot grade target {target}")
+    return None if target % 3 == 1 else 0.0

@@ -60,7 +60,7 @@ def test_exceptions_and_invalid_returns_score_zero() -> None:
         assert batch.metrics["reward/errors/sum"] == 1.0
     with _pool("returns_nan_or_result", num_workers=1) as pool:
         batch = pool.score(["nan", "x"], ["a", "a"])
-        assert (batch.scores, batch.statuses) == ([0.0, 0.5], ["invalid", "no_answer"])
+        assert (batch.scores, batch.statuses) == ([0.0, 0.5], ["nan", "no_answer"])
 
 
 def test_math_pool_with_huge_empty_and_adversarial_responses() -> None:

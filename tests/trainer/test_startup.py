@@ -10,6 +10,7 @@ import pytest
 from reco_megatron.config import ConfigError
 from reco_megatron.trainer import setup
 from reco_megatron.trainer.preflight import load_tokenizer
+from tests.tmpfs import small_tmpfs
 
 
 def test_unwritable_output_dir_is_a_clear_error(tmp_path: Path) -> None:
@@ -25,6 +26,17 @@ def test_full_disk_is_a_clear_error(tmp_path: Path, monkeypatch) -> None:
     with pytest.raises(ConfigError, match="has only 0 MiB free"):
         setup.prepare_output_dir(tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+def test_stale_partial_checkpoint_is_removed_before_the_space_check(tmp_path: Path) -> None:
+    """A save cut short (SIGKILL, full disk) left 40 MiB in .tmp-step_*; on a real 80 MiB
+    tmpfs that leaves less than the 64 MiB the start-up check wants, unless it is removed."""
+    with small_tmpfs(tmp_path / "disk", "80m") as disk:
+        partial = disk / "run" / "checkpoints" / ".tmp-step_00000003" / "dist"
+        partial.mkdir(parents=True)
+        (partial / "__0_0.distcp").write_bytes(b"\1" * (40 << 20))
+        out = setup.prepare_output_dir(disk / "run")
+        assert not (out / "checkpoints" / ".tmp-step_00000003").exists()
 
 
 def test_unknown_tokenizer_spec(tmp_path: Path) -> None:
