@@ -38,6 +38,7 @@ from reco_megatron.megatron.loss_layer import (
 )
 from reco_megatron.megatron.model import ModelConfig, build_model, transformer_config
 from reco_megatron.megatron.optimizer import OptimConfig, build_optimizer, current_lr, wrap_ddp
+from reco_megatron.parallel.vocab_stats_kernels import IMPLEMENTATIONS
 from reco_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -52,17 +53,18 @@ class UpdateConfig:
     epochs_per_rollout: int = 1
     """Passes over the rollout batch."""
     stats_implementation: str = "auto"
-    """Statistics op kernels: ``auto`` (compiled on GPU), ``eager`` or ``compiled``."""
+    """Statistics op kernels: ``auto`` (Triton kernels on GPU when Triton imports, else
+    ``compiled``; ``eager`` on CPU), ``eager``, ``compiled`` or ``triton``."""
 
     def __post_init__(self) -> None:
         for name in ("minibatches_per_rollout", "epochs_per_rollout"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"update.{name} must be a positive integer, got {value!r}")
-        if self.stats_implementation not in ("auto", "eager", "compiled"):
+        if self.stats_implementation not in IMPLEMENTATIONS:
             raise ValueError(
-                "update.stats_implementation must be auto, eager or compiled, got "
-                f"{self.stats_implementation!r}"
+                f"update.stats_implementation must be one of {', '.join(IMPLEMENTATIONS)}, "
+                f"got {self.stats_implementation!r}"
             )
 
 

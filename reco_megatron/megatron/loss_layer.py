@@ -62,12 +62,16 @@ def denominator_share(mb: RolloutBatch, loss: LossConfig) -> torch.Tensor:
 
 
 def _stats(mb: RolloutBatch, ctx: LossContext, logits: torch.Tensor) -> TokenStats:
+    # In-place backward: the gradient of the logits overwrites them (no second logits-sized
+    # buffer). Safe because the model's logits feed only this op: the output layer's backward
+    # needs its input and weight, never its output, and each loss function calls _stats once.
     return vocab_parallel_stats(
         logits,
         mb.labels,
         ctx.vocab_size,
         tp_group=ctx.tp_group,
         implementation=ctx.stats_implementation,
+        inplace_backward=True,
     )
 
 
