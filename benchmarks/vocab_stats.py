@@ -19,6 +19,11 @@ Run (CPU, ~10 minutes on 2 cores)::
 
     python benchmarks/vocab_stats.py                       # full grid, markdown table
     python benchmarks/vocab_stats.py --tokens 2048 --vocab 32000 --tp 1 --reps 2
+
+GPU mode (one process, one CUDA GPU, TP 1: the Triton kernels, Liger-Kernel and the output
+layer too; see ``benchmarks/vocab_stats_gpu.py``)::
+
+    python benchmarks/vocab_stats.py --gpu --reps 10 --json vocab_stats_gpu.json
 """
 
 from __future__ import annotations
@@ -171,7 +176,20 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, nargs="+", default=[32000, 128256])
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--gpu", action="store_true", help="GPU mode (vocab_stats_gpu.py)")
+    parser.add_argument(
+        "--device", choices=("cuda", "cpu"), default=None, help="GPU mode on this device"
+    )
+    parser.add_argument("--shapes", nargs="+", default=None, help="GPU mode: NxV ...")
+    parser.add_argument("--hidden", type=int, default=4096, help="GPU mode: H of the layer")
+    parser.add_argument("--json", default=None, help="GPU mode: also write the rows here")
     args = parser.parse_args()
+    if args.gpu or args.device:
+        import vocab_stats_gpu  # beside this script
+
+        shapes = args.shapes or list(vocab_stats_gpu.DEFAULT_SHAPES)
+        vocab_stats_gpu.run(shapes, args.hidden, args.reps, args.device or "cuda", args.json)
+        return
 
     header = (
         "| N | V | TP | V/TP | eager s | compiled s | megatron CE s | CE+entropy s | "
