@@ -18,6 +18,8 @@ Output layer + statistics from hidden ``[N, H]`` and weight ``[V, H]`` (``--hidd
 
 * ``matmuls``: ``h W^T`` forward and its two backward matmuls alone (what any fused layer must do);
 * ``matmul_ours_inplace``: the matmul, then ``ours_triton_inplace``;
+* ``fused_ours``: ``parallel.linear_stats.vocab_parallel_linear_stats`` (Triton, default
+  blocks: the logits never exist whole);
 * ``liger_flce``: Liger's fused linear cross entropy (log p only), if ``liger_kernel`` imports.
 
 Reported: median CUDA-event time over ``--reps`` after a warm-up, the bound (3 bytes x 2 per
@@ -87,6 +89,13 @@ def _matmul_ours(h, w, target):
     return _ours("triton", True)(torch.matmul(h, w.t()), target)
 
 
+def _fused_ours(h, w, target):
+    from reco_megatron.parallel.linear_stats import vocab_parallel_linear_stats
+
+    s = vocab_parallel_linear_stats(h, w, target, w.shape[0], implementation="triton")
+    return s.logprob.sum() + s.entropy.sum() + s.sum_p2.sum()
+
+
 def _liger_flce(h, w, target):
     from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
@@ -119,6 +128,7 @@ def layer_methods(device: str) -> dict[str, Callable]:
     methods: dict[str, Callable] = {"matmuls": _matmuls}
     if device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         methods["matmul_ours_inplace"] = _matmul_ours
+        methods["fused_ours"] = _fused_ours
     if device == "cuda" and _have("liger_kernel"):
         methods["liger_flce"] = _liger_flce
     return methods

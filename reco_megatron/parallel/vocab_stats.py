@@ -40,7 +40,13 @@ import torch
 import torch.distributed as dist
 
 from reco_megatron.algo.token_stats import TokenStats
-from reco_megatron.parallel.vocab_stats_kernels import Implementation, kernels, resolve
+from reco_megatron.parallel.vocab_stats_kernels import (
+    Implementation,
+    combine_partials,
+    gradient_coefficient,
+    kernels,
+    resolve,
+)
 
 DEFAULT_CHUNK_ELEMENTS = 1 << 22
 """Default chunk of the eager/compiled paths on CPU: this many logits (16 MiB of fp32 per
@@ -112,7 +118,21 @@ def _local_partials_triton(
     logits_max = local_max.clone()
     if distributed:
         dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=tp_group)
-    return logits_max, tk.combine_partials(local_max, local, logits_max, in_shard)
+    return logits_max, combine_partials(local_max, local, logits_max, in_shard)
+
+
+def statistics_from_partials(
+    partials: torch.Tensor, logits_max: torch.Tensor, target: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``logprob, entropy, sum_p2, lse`` (each ``[N]``) from the all-reduced ``[N, 4]``
+    partials relative to the global max ``m``: ``(z_t - m) - log S``, ``log S - T/S``,
+    ``Q/S^2`` and ``m + log S``; ignored positions (``target < 0``) get ``logprob = 0``."""
+    sum_exp, sum_exp_shifted, sum_exp_sq, target_shifted = partials.unbind(-1)
+    log_sum_exp = sum_exp.log()
+    logprob = torch.where(target < 0, torch.zeros_like(log_sum_exp), target_shifted - log_sum_exp)
+    entropy = log_sum_exp - sum_exp_shifted / sum_exp
+    sum_p2 = sum_exp_sq / (sum_exp * sum_exp)
+    return logprob, entropy, sum_p2, logits_max + log_sum_exp
 
 
 class _VocabParallelStats(torch.autograd.Function):
@@ -154,13 +174,8 @@ class _VocabParallelStats(torch.autograd.Function):
         if distributed:
             dist.all_reduce(partials, op=dist.ReduceOp.SUM, group=tp_group)
 
-        sum_exp, sum_exp_shifted, sum_exp_sq, target_shifted = partials.unbind(-1)
-        log_sum_exp = sum_exp.log()
+        logprob, entropy, sum_p2, lse = statistics_from_partials(partials, logits_max, target)
         ignored = target < 0
-        logprob = torch.where(ignored, torch.zeros_like(log_sum_exp), target_shifted - log_sum_exp)
-        entropy = log_sum_exp - sum_exp_shifted / sum_exp
-        sum_p2 = sum_exp_sq / (sum_exp * sum_exp)
-        lse = logits_max + log_sum_exp
 
         ctx.save_for_backward(logits, safe_target, in_shard, ignored, lse, entropy, sum_p2)
         ctx.valid_local = valid_local
@@ -213,13 +228,7 @@ def _backward_triton(ctx, logits, target_local, lse, entropy, sum_p2, grads) -> 
     g_logprob, g_entropy, g_sum_p2 = grads
     if all(g is None for g in grads):
         return logits.detach().zero_() if ctx.inplace_backward else torch.zeros_like(logits)
-    coef_a = torch.zeros_like(lse)
-    if g_logprob is not None:
-        coef_a = coef_a - g_logprob
-    if g_entropy is not None:
-        coef_a = coef_a - g_entropy * entropy
-    if g_sum_p2 is not None:
-        coef_a = coef_a - 2.0 * g_sum_p2 * sum_p2
+    coef_a = gradient_coefficient(lse, entropy, sum_p2, g_logprob, g_entropy, g_sum_p2)
     grad = tk.gradient(
         logits,
         target_local,

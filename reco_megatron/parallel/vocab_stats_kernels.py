@@ -99,13 +99,7 @@ def backward_grad(
 
     Shapes: ``logits [n, V_valid]``, every other tensor ``[n]``.
     """
-    a = torch.zeros_like(lse)
-    if g_logprob is not None:
-        a = a - g_logprob
-    if g_entropy is not None:
-        a = a - g_entropy * entropy
-    if g_sum_p2 is not None:
-        a = a - 2.0 * g_sum_p2 * sum_p2
+    a = gradient_coefficient(lse, entropy, sum_p2, g_logprob, g_entropy, g_sum_p2)
     # In-place updates of fresh temporaries keep eager mode at two fp32 chunk buffers;
     # torch.compile turns the same code into one fused pass.
     logp = logits.to(lse.dtype) - lse.unsqueeze(-1)
@@ -125,6 +119,46 @@ def backward_grad(
         onehot = torch.where(in_shard, g_logprob, torch.zeros_like(g_logprob))
         grad.scatter_add_(-1, safe_target.unsqueeze(-1), onehot.unsqueeze(-1))
     return grad.to(logits.dtype)
+
+
+def combine_partials(
+    local_max: torch.Tensor,
+    local: torch.Tensor,
+    global_max: torch.Tensor,
+    in_shard: torch.Tensor,
+) -> torch.Tensor:
+    """Rescale one shard's ``[N, 4]`` partials from its own max to the global one.
+
+    ``S, T, Q`` relative to ``m_l`` become relative to ``m >= m_l`` (``r = exp(m_l - m)``):
+    ``S r``, ``r (T + (m_l - m) S)``, ``Q r^2``; the raw target logit becomes ``z_t - m``
+    where ``in_shard`` and 0 elsewhere. Rows of an empty shard (``m_l = -inf``, sums 0)
+    give 0. All ``[N]`` / ``[N, 4]`` fp32.
+    """
+    s, t, q, z_t = local.unbind(-1)
+    has = s > 0
+    shift = torch.where(has, local_max - global_max, torch.zeros_like(s))
+    r = torch.where(has, torch.exp(shift), torch.zeros_like(s))
+    target = torch.where(in_shard, z_t - global_max, torch.zeros_like(z_t))
+    return torch.stack([s * r, r * (t + shift * s), q * r * r, target], dim=-1)
+
+
+def gradient_coefficient(
+    lse: torch.Tensor,
+    entropy: torch.Tensor,
+    sum_p2: torch.Tensor,
+    g_logprob: torch.Tensor | None,
+    g_entropy: torch.Tensor | None,
+    g_sum_p2: torch.Tensor | None,
+) -> torch.Tensor:
+    """Per-token ``a = -gL - gH H - 2 gQ sum_p2`` of the gradient (absent terms left out)."""
+    a = torch.zeros_like(lse)
+    if g_logprob is not None:
+        a = a - g_logprob
+    if g_entropy is not None:
+        a = a - g_entropy * entropy
+    if g_sum_p2 is not None:
+        a = a - 2.0 * g_sum_p2 * sum_p2
+    return a
 
 
 _COMPILED: dict[str, Callable[..., torch.Tensor]] = {}

@@ -14,8 +14,9 @@ rescaled before the tile's own terms are added:
 (the ``T`` line: ``e' (z - m') = a e (z - m + m - m')``). The target logit ``z_t`` (a single
 load, masked off when the target is not in this shard) is read raw. The kernel writes
 ``[m_local, S, T, Q, z_t]`` per row. Across tensor-parallel ranks the same rescaling combines
-the shards (:func:`combine_partials`): one MAX all-reduce of ``m_local`` gives the global
-``m``, each rank rescales its sums to it, and one SUM all-reduce of ``[N, 4]`` adds them.
+the shards (``vocab_stats_kernels.combine_partials``): one MAX all-reduce of ``m_local``
+gives the global ``m``, each rank rescales its sums to it, and one SUM all-reduce of
+``[N, 4]`` adds them.
 
 The backward launches a 2-D grid (row, tile of ``BACKWARD_BLOCK`` columns) and writes, per
 logit, with ``log p = z - lse`` and per-row scalars precomputed from the forward:
@@ -207,27 +208,6 @@ def local_partials(
         BLOCK=block,
     )
     return out[:, 0], out[:, 1:]
-
-
-def combine_partials(
-    local_max: torch.Tensor,
-    local: torch.Tensor,
-    global_max: torch.Tensor,
-    in_shard: torch.Tensor,
-) -> torch.Tensor:
-    """Rescale one shard's ``[N, 4]`` partials from its own max to the global one.
-
-    ``S, T, Q`` relative to ``m_l`` become relative to ``m >= m_l`` (``r = exp(m_l - m)``):
-    ``S r``, ``r (T + (m_l - m) S)``, ``Q r^2``; the raw target logit becomes ``z_t - m``
-    where ``in_shard`` and 0 elsewhere. Rows of an empty shard (``m_l = -inf``, sums 0)
-    give 0. All ``[N]`` / ``[N, 4]`` fp32.
-    """
-    s, t, q, z_t = local.unbind(-1)
-    has = s > 0
-    shift = torch.where(has, local_max - global_max, torch.zeros_like(s))
-    r = torch.where(has, torch.exp(shift), torch.zeros_like(s))
-    target = torch.where(in_shard, z_t - global_max, torch.zeros_like(z_t))
-    return torch.stack([s * r, r * (t + shift * s), q * r * r, target], dim=-1)
 
 
 def gradient(

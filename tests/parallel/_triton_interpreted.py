@@ -94,6 +94,41 @@ def body(rank: int, world_size: int, spec: Spec, device: str, blocks: tuple[int,
     return [s.detach().double().cpu() for s in stats], leaf.grad.double().cpu()
 
 
+LINEAR_SPECS = [(2, False, torch.float32), (2, True, torch.float32), (1, False, torch.bfloat16)]
+"""Fused output layer checks: (TP, sequence parallel, dtype)."""
+
+
+def linear_body(rank: int, world_size: int, sequence_parallel: bool, dtype: torch.dtype):
+    """The fused layer with the Triton kernels and with the eager math, same inputs."""
+    from reco_megatron.parallel import vocab_stats_triton
+    from reco_megatron.parallel.linear_stats import vocab_parallel_linear_stats
+
+    vocab_stats_triton.FORWARD_BLOCK, vocab_stats_triton.BACKWARD_BLOCK = TEST_BLOCKS
+    gen = torch.Generator().manual_seed(5)
+    seq, batch, hidden_size, vocab = 6, 2, 8, 250
+    v_pad = 256
+    hidden = torch.randn(seq, batch, hidden_size, generator=gen).to(dtype)
+    weight = (torch.randn(v_pad, hidden_size, generator=gen) * 0.5).to(dtype)
+    target = torch.randint(0, vocab, (seq, batch), generator=gen)
+    target[::4, 1] = -1
+    upstream = [torch.randn(seq, batch, generator=gen) for _ in range(3)]
+    rows = v_pad // world_size
+    w_shard = weight[rank * rows : (rank + 1) * rows]
+    s_local = seq // world_size
+    h_local = hidden[rank * s_local : (rank + 1) * s_local] if sequence_parallel else hidden
+    group = dist.group.WORLD if world_size > 1 else None
+    out = {}
+    for impl in ("triton", "eager"):
+        h = h_local.clone().requires_grad_()
+        w = w_shard.clone().requires_grad_()
+        stats = vocab_parallel_linear_stats(
+            h, w, target, vocab, group, sequence_parallel, block_tokens=5, implementation=impl
+        )
+        sum((s * g).sum() for s, g in zip(stats, upstream, strict=True)).backward()
+        out[impl] = ([s.detach().double() for s in stats], h.grad.double(), w.grad.double())
+    return out
+
+
 def main(path: str) -> None:
     """Run every spec under the interpreter; pickle ``{name: results or traceback}``."""
     from reco_megatron.testing import run_distributed
@@ -108,6 +143,12 @@ def main(path: str) -> None:
             )
         except Exception:
             out[spec.name] = traceback.format_exc()
+    for tp, sp, dtype in LINEAR_SPECS:
+        name = f"linear-tp{tp}-{'sp' if sp else 'nosp'}-{str(dtype).removeprefix('torch.')}"
+        try:
+            out[name] = run_distributed(linear_body, tp, args=(sp, dtype), timeout=120)
+        except Exception:
+            out[name] = traceback.format_exc()
     with open(path, "wb") as f:
         pickle.dump(out, f)
 

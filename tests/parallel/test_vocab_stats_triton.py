@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from reco_megatron.parallel import vocab_parallel_stats
-from tests.parallel._triton_interpreted import ALL, SPECS, Spec, body
+from tests.parallel._triton_interpreted import ALL, LINEAR_SPECS, SPECS, Spec, body
 from tests.parallel._vocab_cases import reference
 
 pytest.importorskip(
@@ -84,6 +84,34 @@ def test_interpreted_kernels_match_fp64_reference(interpreted, spec: Spec) -> No
     result = interpreted[spec.name]
     assert not isinstance(result, str), result  # a rank's traceback
     _compare(result, spec, interpreted=True)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("tp", "sp", "dtype"),
+    LINEAR_SPECS,
+    ids=[
+        f"tp{t}-{'sp' if s else 'nosp'}-{str(d).removeprefix('torch.')}" for t, s, d in LINEAR_SPECS
+    ],
+)
+def test_interpreted_fused_layer_matches_eager(interpreted, tp, sp, dtype) -> None:
+    # The fused output layer with the Triton kernels against the same layer with the eager
+    # math (itself checked against megatron's layer + the op in test_linear_stats.py). fp32:
+    # 2e-5. bf16: the blocks' logits are bf16 in both; the gradients of the logits are
+    # truncated (interpreter) vs rounded (eager) to bf16 before the matmuls: 1 ulp of |dz| <= 2
+    # times |h| or |w| (~3) summed over <= 12 tokens / 128 rows, so atol 0.1 on dh and dw.
+    result = interpreted[
+        f"linear-tp{tp}-{'sp' if sp else 'nosp'}-{str(dtype).removeprefix('torch.')}"
+    ]
+    assert not isinstance(result, str), result
+    for rank_out in result:
+        (t_stats, t_dh, t_dw), (e_stats, e_dh, e_dw) = rank_out["triton"], rank_out["eager"]
+        for got, want in zip(t_stats, e_stats, strict=True):
+            torch.testing.assert_close(got, want, atol=FP32_ATOL, rtol=0)
+        grad_atol = FP32_ATOL if dtype == torch.float32 else 0.1
+        torch.testing.assert_close(t_dh, e_dh, atol=grad_atol, rtol=0)
+        torch.testing.assert_close(t_dw, e_dw, atol=grad_atol, rtol=0)
 
 
 @pytest.mark.skipif(
@@ -208,3 +236,31 @@ def test_compiled_kernels_at_a_real_vocabulary_with_default_tiles() -> None:
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(out["triton"][1], out["eager"][1], atol=1e-2, rtol=0)
     assert vocab_parallel_stats(logits, target, 128000).logprob.isfinite().all()  # auto
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fused_layer_on_cuda_matches_matmul_plus_op() -> None:
+    # bf16, V = 128256 (several 4096-column tiles), blocks of 100 tokens vs the whole matmul
+    # then the op: the same bf16 logits; dh / dw differ by the per-block bf16 rounding of dw.
+    from reco_megatron.parallel.linear_stats import vocab_parallel_linear_stats
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    n, h_size, vocab = 256, 512, 128256
+    hidden = (torch.randn(n, h_size, device="cuda", generator=gen)).to(torch.bfloat16)
+    weight = (torch.randn(vocab, h_size, device="cuda", generator=gen) * 0.05).to(torch.bfloat16)
+    target = torch.randint(0, 128000, (n,), device="cuda", generator=gen)
+    upstream = torch.randn(3, n, device="cuda", generator=gen)
+    out = {}
+    for fused in (True, False):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        if fused:
+            stats = vocab_parallel_linear_stats(h, w, target, 128000, block_tokens=100)
+        else:
+            stats = vocab_parallel_stats(h @ w.t(), target, 128000, inplace_backward=True)
+        sum((s * g).sum() for s, g in zip(stats, upstream, strict=True)).backward()
+        out[fused] = (stats, h.grad.float(), w.grad.float())
+    for got, want in zip(out[True][0], out[False][0], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+    for got, want in zip(out[True][1:], out[False][1:], strict=True):
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
