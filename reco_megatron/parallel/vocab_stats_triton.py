@@ -34,8 +34,9 @@ op that must see every logit twice around the all-reduces and write its gradient
 forward writes 20 bytes and the backward reads ~24: negligible next to ``V/TP`` logits.
 Accumulation is fp32 whatever the input dtype (fp64 logits are the eager path's job).
 
-Triton is imported by this module, which :mod:`vocab_stats` imports only when the ``triton``
-implementation runs. The ``@triton.jit`` wrapping happens at the first launch, so that
+Triton is imported by this module (optional: without it the module still imports and
+:func:`check_device` says what is missing), which :mod:`vocab_stats` imports only when the
+``triton`` implementation runs. The ``@triton.jit`` wrapping happens at the first launch, so that
 ``TRITON_INTERPRET=1`` set by then (e.g. in a freshly started test rank) runs the kernels on
 CPU tensors through Triton's interpreter. Only APIs present in Triton 3.6 are used.
 """
@@ -46,8 +47,13 @@ import os
 from typing import Any
 
 import torch
-import triton
-import triton.language as tl
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # torch's CPU-only wheels do not pull Triton; check_device says so
+    triton = None  # type: ignore[assignment]
+    tl = None  # type: ignore[assignment]
 
 FORWARD_BLOCK = 4096
 """Columns per forward tile (a power of two)."""
@@ -159,6 +165,11 @@ def _kernel(name: str) -> Any:
 
 def check_device(logits: torch.Tensor) -> None:
     """Raise unless the kernels can run on ``logits`` (CUDA, or CPU under the interpreter)."""
+    if triton is None:
+        raise ImportError(
+            "implementation='triton' needs Triton, which torch's CUDA wheels install (pip "
+            "install triton); use implementation='eager' or 'compiled' without it"
+        )
     if logits.dtype not in SUPPORTED_DTYPES:
         raise TypeError(
             f"implementation='triton' takes bf16, fp16 or fp32 logits, got {logits.dtype}; "

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from reco_megatron.algo.token_stats import token_stats_reference
 from reco_megatron.parallel import vocab_parallel_stats
+from reco_megatron.parallel.vocab_stats_kernels import triton_available
 from reco_megatron.testing import run_distributed
 from tests.parallel._vocab_cases import CASES, Case, global_inputs, reference
 
@@ -229,3 +230,9 @@ def test_compiled_kernels_match_eager_and_reference() -> None:
 def test_unknown_implementation_is_rejected() -> None:
     with pytest.raises(ValueError, match="'fused'"):
         vocab_parallel_stats(torch.randn(2, 5), torch.zeros(2).long(), 5, implementation="fused")
+
+
+@pytest.mark.skipif(triton_available(), reason="Triton is installed here")
+def test_triton_without_triton_says_what_is_missing() -> None:
+    with pytest.raises(ImportError, match="needs Triton"):
+        vocab_parallel_stats(torch.randn(2, 5), torch.zeros(2).long(), 5, implementation="triton")
