@@ -86,9 +86,9 @@ def _stats(mb: RolloutBatch, ctx: LossContext, logits: torch.Tensor) -> TokenSta
 
 def _fused_stats(mb: RolloutBatch, ctx: LossContext, hidden: torch.Tensor) -> TokenStats:
     """Output layer + statistics without the logits: ``hidden [B, S(/TP), H]`` is what
-    ``model.fuse_output_layer`` makes the model return (fp32 on GPU, where megatron's
-    Float16Module upcasts the last stage's output: cast back, exactly, to the weight's dtype).
-    """
+    ``model.fuse_output_layer`` makes the model return, in the parameters' dtype (the cast to
+    the weight's dtype is then a no-op; it guards wrappers such as megatron's Float16Module,
+    which upcast the last stage's output to fp32: the cast back is exact)."""
     if ctx.output_weight is None:
         raise RuntimeError("fused_output_layer needs the output weight in the LossContext")
     weight = ctx.output_weight

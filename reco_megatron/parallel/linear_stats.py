@@ -229,7 +229,7 @@ def vocab_parallel_linear_stats(
     if hidden.dtype != weight.dtype:
         raise TypeError(
             f"hidden is {hidden.dtype} but weight is {weight.dtype}: cast hidden to the "
-            "weight's dtype (megatron's Float16Module hands the last stage's output over in fp32)"
+            "weight's dtype (wrappers such as megatron's Float16Module upcast the model output)"
         )
     if sequence_parallel and tp_size == 1:
         raise ValueError("sequence_parallel=True needs a tensor-parallel group of size > 1")
