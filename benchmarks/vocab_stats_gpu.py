@@ -22,11 +22,13 @@ Output layer + statistics from hidden ``[N, H]`` and weight ``[V, H]`` (``--hidd
   blocks: the logits never exist whole);
 * ``liger_flce``: Liger's fused linear cross entropy (log p only), if ``liger_kernel`` imports.
 
-Reported: median CUDA-event time over ``--reps`` after a warm-up, the bound (3 bytes x 2 per
-bf16 logit: read in forward, read in backward, write the gradient) from a copy bandwidth
+Reported: median CUDA-event time over ``--reps`` after a warm-up, the bound (6 bytes per
+bf16 logit: 2 read in forward, 2 read in backward, 2 written for the gradient) from a copy bandwidth
 measured in the same run, and the peak of ``torch.cuda.max_memory_allocated`` above the inputs
 during forward + backward, relative to the bf16 logits ``N x V x 2`` bytes (so a gradient
-buffer of the logits' size counts 1.0x). ``--device cpu`` runs the same code on tiny shapes
+buffer of the logits' size counts 1.0x), and in GiB (for the layer rows that peak includes
+the weight and hidden gradients: subtract ``V H + N H`` bf16 for the issue's "beyond inputs,
+outputs and weight gradient"). ``--device cpu`` runs the same code on tiny shapes
 (with ``TRITON_INTERPRET=1`` for the Triton methods) to check the script without a GPU.
 """
 
@@ -283,14 +285,14 @@ def _shape_rows(
 
 
 def _print(rows: list[dict], shape: str) -> None:
-    print(f"| {shape} | method | ms | x bound / x matmuls | peak x logits |")
-    print("|---|---|---|---|---|")
+    print(f"| {shape} | method | ms | x bound / x matmuls | peak x logits | peak GiB |")
+    print("|---|---|---|---|---|---|")
     matmuls = next(r["seconds"] for r in rows if r["shape"] == shape and r["method"] == "matmuls")
     for r in (r for r in rows if r["shape"] == shape):
         ratio = r["seconds"] / (r["bound_s"] if r["kind"] == "op" else matmuls)
         print(
             f"| {r['kind']} | {r['method']} | {r['seconds'] * 1e3:.2f} | {ratio:.2f} | "
-            f"{r['peak_x_logits']:.2f} |",
+            f"{r['peak_x_logits']:.2f} | {r['peak_bytes'] / 2**30:.2f} |",
             flush=True,
         )
     print()
