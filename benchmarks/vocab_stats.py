@@ -20,13 +20,10 @@ Run (CPU, ~10 minutes on 2 cores)::
     python benchmarks/vocab_stats.py                       # full grid, markdown table
     python benchmarks/vocab_stats.py --tokens 2048 --vocab 32000 --tp 1 --reps 2
 
-Single-device mode (``--device cuda``, what ``benchmarks/gpu/check.sh`` runs; ``--device cpu``
-runs the same code on the CPU): one process, TP 1, every method of ``_FNS`` per size, median
-time of forward+backward (after ``torch.cuda.synchronize``) and, on CUDA, the peak of
-``torch.cuda.max_memory_allocated`` above the inputs relative to the logits' bytes;
-``--json PATH`` also writes the rows::
+GPU mode (one process, one CUDA GPU, TP 1: the Triton kernels, Liger-Kernel and the output
+layer too; see ``benchmarks/vocab_stats_gpu.py``)::
 
-    python benchmarks/vocab_stats.py --device cuda --tokens 8192 --vocab 32000 --json o.json
+    python benchmarks/vocab_stats.py --gpu --reps 10 --json vocab_stats_gpu.json
 """
 
 from __future__ import annotations
@@ -181,86 +178,25 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _single_device(n_tokens: int, vocab: int, reps: int, device: torch.device) -> dict:
-    """Every method on one device (TP 1): median seconds and CUDA peak memory / logits."""
-    logits, target = _inputs(n_tokens, vocab, 1, 0)
-    logits, target = logits.to(device), target.to(device)
-    logits_bytes = logits.numel() * logits.element_size()
-    row: dict = {"device": str(device), "tokens": n_tokens, "vocab": vocab}
-    for method in _methods(n_tokens, vocab):
-        times = []
-        for rep in range(reps + 1):  # rep 0 is a warm-up (and compiles)
-            x = logits.clone().requires_grad_()
-            _sync(device)
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-            base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-            t0 = time.perf_counter()
-            _FNS[method](x, target, vocab, None).backward()
-            _sync(device)
-            if rep > 0:
-                times.append(time.perf_counter() - t0)
-            peak = torch.cuda.max_memory_allocated(device) - base if device.type == "cuda" else 0
-            del x
-        row[f"{method}_s"] = statistics.median(times)
-        row[f"{method}_peak_x"] = peak / logits_bytes if device.type == "cuda" else float("nan")
-    return row
-
-
-def _single_device_main(args: argparse.Namespace) -> None:
-    """``--device``: one process, TP 1, a markdown table (and ``--json``)."""
-    import json
-    import os
-
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if not dist.is_initialized():  # megatron's cross entropy reads its (size-1) TP group
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
-    _setup(1)
-    rows = []
-    for vocab in args.vocab:
-        for n in args.tokens:
-            rows.append(_single_device(n, vocab, args.reps, device))
-            print(json.dumps(rows[-1]), flush=True)
-    methods = [m for m in _FNS if any(f"{m}_s" in r for r in rows)]
-    lines = [
-        "| N | V | "
-        + " | ".join(f"{m} s" for m in methods)
-        + " | "
-        + " | ".join(f"{m} peak/logits" for m in methods)
-        + " |",
-        "|" + "---|" * (2 + 2 * len(methods)),
-    ]
-    for r in rows:
-        times = " | ".join(f"{r.get(f'{m}_s', float('nan')):.4f}" for m in methods)
-        peaks = " | ".join(f"{r.get(f'{m}_peak_x', float('nan')):.2f}" for m in methods)
-        lines.append(f"| {r['tokens']} | {r['vocab']} | {times} | {peaks} |")
-    print("\n".join(lines))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"rows": rows, "table": "\n".join(lines)}, f, indent=1)
-    dist.destroy_process_group()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192])
     parser.add_argument("--vocab", type=int, nargs="+", default=[32000, 128256])
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--device", default=None, help="single-device mode: cpu or cuda[:N]")
-    parser.add_argument("--json", default=None, help="single-device mode: write rows here")
+    parser.add_argument("--gpu", action="store_true", help="GPU mode (vocab_stats_gpu.py)")
+    parser.add_argument(
+        "--device", choices=("cuda", "cpu"), default=None, help="GPU mode on this device"
+    )
+    parser.add_argument("--shapes", nargs="+", default=None, help="GPU mode: NxV ...")
+    parser.add_argument("--hidden", type=int, default=4096, help="GPU mode: H of the layer")
+    parser.add_argument("--json", default=None, help="GPU mode: also write the rows here")
     args = parser.parse_args()
-    if args.device is not None:
-        _single_device_main(args)
+    if args.gpu or args.device:
+        import vocab_stats_gpu  # beside this script
+
+        shapes = args.shapes or list(vocab_stats_gpu.DEFAULT_SHAPES)
+        vocab_stats_gpu.run(shapes, args.hidden, args.reps, args.device or "cuda", args.json)
         return
 
     header = (

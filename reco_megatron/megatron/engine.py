@@ -43,8 +43,14 @@ from reco_megatron.megatron.loss_layer import (
     sft_loss_func,
     statistics_func,
 )
-from reco_megatron.megatron.model import ModelConfig, build_model, transformer_config
+from reco_megatron.megatron.model import (
+    ModelConfig,
+    build_model,
+    fuse_output_layer,
+    transformer_config,
+)
 from reco_megatron.megatron.optimizer import OptimConfig, build_optimizer, current_lr, wrap_ddp
+from reco_megatron.parallel.vocab_stats_kernels import IMPLEMENTATIONS
 from reco_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -59,17 +65,27 @@ class UpdateConfig:
     epochs_per_rollout: int = 1
     """Passes over the rollout batch."""
     stats_implementation: str = "auto"
-    """Statistics op kernels: ``auto`` (compiled on GPU), ``eager`` or ``compiled``."""
+    """Statistics op kernels: ``auto`` (Triton kernels on GPU when Triton imports, else
+    ``compiled``; ``eager`` on CPU), ``eager``, ``compiled`` or ``triton``."""
+
+    fused_output_layer: bool = False
+    """Run the output layer inside the loss layer, fused with the statistics op, block by
+    block, so the logits never exist whole (``parallel.linear_stats``; same losses and
+    gradients as the unfused path). Off by default until measured faster on a GPU."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.fused_output_layer, bool):
+            raise ValueError(
+                f"update.fused_output_layer must be true or false, got {self.fused_output_layer!r}"
+            )
         for name in ("minibatches_per_rollout", "epochs_per_rollout"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"update.{name} must be a positive integer, got {value!r}")
-        if self.stats_implementation not in ("auto", "eager", "compiled"):
+        if self.stats_implementation not in IMPLEMENTATIONS:
             raise ValueError(
-                "update.stats_implementation must be auto, eager or compiled, got "
-                f"{self.stats_implementation!r}"
+                f"update.stats_implementation must be one of {', '.join(IMPLEMENTATIONS)}, "
+                f"got {self.stats_implementation!r}"
             )
 
 
@@ -115,6 +131,8 @@ class ReCoEngine:
             vocab_size=model.vocab_size,
             tp_group=ps.get_tensor_model_parallel_group(),
             stats_implementation=update.stats_implementation,  # type: ignore[arg-type]
+            fused_output_layer=update.fused_output_layer,
+            sequence_parallel=parallel.sequence_parallel,
         )
         self.optimizer_steps = 0
 
@@ -133,6 +151,8 @@ class ReCoEngine:
                 post_process=ps.is_pipeline_last_stage(ignore_virtual=vp is None, **kwargs),
                 on_gpu=self.on_gpu,
             )
+            if self.update.fused_output_layer:
+                fuse_output_layer(chunk)
             chunks.append(chunk.to(self.device))
         return chunks
 

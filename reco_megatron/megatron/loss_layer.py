@@ -32,7 +32,7 @@ tensor-parallel group passed explicitly.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -42,6 +42,7 @@ from reco_megatron.algo import LossConfig, TokenStats, policy_loss
 from reco_megatron.megatron.batch import RolloutBatch
 from reco_megatron.megatron.device import check_on_device
 from reco_megatron.parallel import vocab_parallel_stats
+from reco_megatron.parallel.linear_stats import vocab_parallel_linear_stats
 from reco_megatron.parallel.vocab_stats_kernels import Implementation
 
 
@@ -53,6 +54,12 @@ class LossContext:
     vocab_size: int
     tp_group: Any
     stats_implementation: Implementation = "auto"
+    fused_output_layer: bool = False
+    """The model returns hidden states; the output layer runs here, fused with the op."""
+    sequence_parallel: bool = False
+    """With the fused layer: the hidden states arrive sharded over the sequence."""
+    output_weight: torch.Tensor | None = None
+    """With the fused layer: this micro-batch's output weight ``[V/TP, H]``."""
 
 
 def denominator_share(mb: RolloutBatch, loss: LossConfig) -> torch.Tensor:
@@ -63,13 +70,39 @@ def denominator_share(mb: RolloutBatch, loss: LossConfig) -> torch.Tensor:
 
 
 def _stats(mb: RolloutBatch, ctx: LossContext, logits: torch.Tensor) -> TokenStats:
+    if ctx.fused_output_layer:
+        return _fused_stats(mb, ctx, logits)
+    # In-place backward: the gradient of the logits overwrites them (no second logits-sized
+    # buffer). Safe because the model's logits feed only this op: the output layer's backward
+    # needs its input and weight, never its output, and each loss function calls _stats once.
     return vocab_parallel_stats(
         logits,
         mb.labels,
         ctx.vocab_size,
         tp_group=ctx.tp_group,
         implementation=ctx.stats_implementation,
+        inplace_backward=True,
     )
+
+
+def _fused_stats(mb: RolloutBatch, ctx: LossContext, hidden: torch.Tensor) -> TokenStats:
+    """Output layer + statistics without the logits: ``hidden [B, S(/TP), H]`` is what
+    ``model.fuse_output_layer`` makes the model return, in the parameters' dtype (the cast to
+    the weight's dtype is then a no-op; it guards wrappers such as megatron's Float16Module,
+    which upcast the last stage's output to fp32: the cast back is exact)."""
+    if ctx.output_weight is None:
+        raise RuntimeError("fused_output_layer needs the output weight in the LossContext")
+    weight = ctx.output_weight
+    stats = vocab_parallel_linear_stats(
+        hidden.transpose(0, 1).to(weight.dtype),  # [S(/TP), B, H], megatron's layout
+        weight,
+        mb.labels.t(),
+        ctx.vocab_size,
+        tp_group=ctx.tp_group,
+        sequence_parallel=ctx.sequence_parallel,
+        implementation=ctx.stats_implementation,
+    )
+    return TokenStats(*(x.t() for x in stats))
 
 
 def policy_loss_func(
@@ -155,6 +188,10 @@ def make_forward_step(
         # Causal attention needs no mask tensor; right padding is after every real token and
         # excluded by the loss mask.
         output = model(mb.input_ids, position_ids, None)
+        if ctx.fused_output_layer:
+            from reco_megatron.megatron.model import output_weight
+
+            return output, partial(loss_func, mb, replace(ctx, output_weight=output_weight(model)))
         return output, partial(loss_func, mb, ctx)
 
     return forward_step

@@ -276,3 +276,34 @@ def build_model(
     if layer_backend(on_gpu) == "local":
         _norms_to_params_dtype(gpt, config.params_dtype)
     return gpt
+
+
+def _return_hidden_states(self: Any, input_: torch.Tensor, weight: Any = None, **_: Any):
+    """Stand-in ``forward`` of the output layer: hand the hidden states on unchanged."""
+    return input_, None
+
+
+def fuse_output_layer(gpt: Any) -> None:
+    """Make a last-stage ``GPTModel`` return its final hidden states instead of logits.
+
+    The output layer's ``forward`` (on this instance only) passes ``[S(/TP), B, H]`` through,
+    so the model returns ``[B, S(/TP), H]`` and the loss layer applies the output layer
+    itself, fused with the statistics (``parallel.linear_stats``), with the weight from
+    :func:`output_weight`. Parameters, state dict and checkpoints are unchanged.
+    """
+    import types
+
+    if gpt.post_process:
+        gpt.output_layer.forward = types.MethodType(_return_hidden_states, gpt.output_layer)
+
+
+def output_weight(model: Any) -> torch.Tensor | None:
+    """The output layer's weight ``[V/TP, H]`` of a (wrapped) ``GPTModel``: the tied
+    embedding's when embeddings and output weights are shared; None before the last stage."""
+    while hasattr(model, "module"):  # DDP, Float16Module
+        model = model.module
+    if not model.post_process:
+        return None
+    if model.share_embeddings_and_output_weights:
+        return model.shared_embedding_or_output_weight()
+    return model.output_layer.weight

@@ -92,6 +92,7 @@ def build_engine(
     lr: float = 1e-2,
     model: ModelConfig | None = None,
     adam_eps: float = 1e-3,
+    fused_output_layer: bool = False,
 ) -> ReCoEngine:
     """An engine for the tiny model. ``adam_eps`` is large on purpose: Adam's first step is
     ``lr * g / (|g| + eps)``, which turns a 1e-9 fp32 reduction-order difference of a gradient
@@ -108,7 +109,11 @@ def build_engine(
         parallel,
         loss or LossConfig.preset("reco", kl_coef=0.0),
         OptimConfig(lr=lr, weight_decay=0.0, clip_grad=0.0, adam_eps=adam_eps),
-        UpdateConfig(minibatches_per_rollout=minibatches, stats_implementation="eager"),
+        UpdateConfig(
+            minibatches_per_rollout=minibatches,
+            stats_implementation="eager",
+            fused_output_layer=fused_output_layer,
+        ),
         total_optimizer_steps=10,
     )
 

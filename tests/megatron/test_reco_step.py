@@ -26,10 +26,12 @@ PARAM_ATOL = 2e-5
 LOSS_ATOL = 1e-5
 
 
-def _update_body(rank, world_size, tp, pp, mbs, reference, preset, family="llama"):
+def _update_body(rank, world_size, tp, pp, mbs, reference, preset, family="llama", fused=False):
     loss = LossConfig.preset(preset, kl_coef=0.0)
     model = _reco.model_config(family, tie_word_embeddings=family == "qwen2")
-    engine = _reco.build_engine(tp=tp, pp=pp, micro_batch_size=mbs, loss=loss, model=model)
+    engine = _reco.build_engine(
+        tp=tp, pp=pp, micro_batch_size=mbs, loss=loss, model=model, fused_output_layer=fused
+    )
     if reference is None:
         return _reco.full_params(engine)
     _reco.load_full(engine, reference)
@@ -89,6 +91,22 @@ def test_update_moves_weights_and_token_ratio_acts_on_second_step(reference_weig
         float((single["params"][k] - reference_weights[k]).abs().max()) for k in reference_weights
     )
     assert moved > 1e-3, "the two optimizer steps did not move the weights"
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 1), (1, 2)], ids=["tp1", "tp2", "pp2"])
+def test_fused_output_layer_equals_the_unfused_update(tp, pp, reference_weights, single) -> None:
+    # update.fused_output_layer: the model returns hidden states and the loss layer runs the
+    # output layer fused with the statistics (parallel.linear_stats); the old-policy pass, the
+    # losses and the parameters after two steps must equal the unfused single-process run.
+    results = run_distributed(
+        _update_body,
+        tp * pp,
+        args=(tp, pp, 2, reference_weights, "reco"),
+        kwargs={"fused": True},
+        timeout=180,
+    )
+    for res in results:
+        _compare(res, single)
 
 
 @pytest.mark.parametrize("mbs", [1, 8], ids=["8x1", "1x8"])

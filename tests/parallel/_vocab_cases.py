@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from reco_megatron.algo.token_stats import token_stats_reference
+
 
 @dataclass(frozen=True)
 class Case:
@@ -53,3 +55,22 @@ def global_inputs(case: Case, tp: int) -> tuple[torch.Tensor, torch.Tensor, list
         target[:: case.ignored_every] = -1
     grads = [torch.randn(case.n_tokens, generator=gen, dtype=torch.float64) for _ in range(3)]
     return logits, target, grads
+
+
+def reference(case: Case, tp: int, dtype: torch.dtype, use: tuple[bool, bool, bool]):
+    """fp64 single-process statistics and gradient of ``sum(stat * upstream)`` over the used
+    statistics, on the unpadded logits rounded to ``dtype`` (what the op sees).
+
+    Returns ``([logprob, entropy, sum_p2] each [N], grad [N, V_pad])``, padded columns 0.
+    """
+    logits, target, grads = global_inputs(case, tp)
+    exact = logits.to(dtype).double()[:, : case.vocab].clone().requires_grad_()
+    safe = target.clamp(min=0)
+    stats = token_stats_reference(exact, safe)
+    logprob = torch.where(target < 0, torch.zeros_like(stats.logprob), stats.logprob)
+    outs = (logprob, stats.entropy, stats.sum_p2)
+    total = sum((o * g).sum() for o, g, u in zip(outs, grads, use, strict=True) if u)
+    total.backward()
+    grad = torch.zeros_like(logits)
+    grad[:, : case.vocab] = exact.grad
+    return [o.detach() for o in outs], grad

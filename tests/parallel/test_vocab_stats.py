@@ -22,45 +22,46 @@ import torch.distributed as dist
 
 from reco_megatron.algo.token_stats import token_stats_reference
 from reco_megatron.parallel import vocab_parallel_stats
+from reco_megatron.parallel.vocab_stats_kernels import triton_available
 from reco_megatron.testing import run_distributed
-from tests.parallel._vocab_cases import CASES, Case, global_inputs
+from tests.parallel._vocab_cases import CASES, Case, global_inputs, reference
 
 FP32_ATOL = 2e-5
 BF16_GRAD_ATOL = 1e-2
 
 
-def _reference(case: Case, tp: int, dtype: torch.dtype, use: tuple[bool, bool, bool]):
-    logits, target, grads = global_inputs(case, tp)
-    exact = logits.to(dtype).double()[:, : case.vocab].clone().requires_grad_()
-    safe = target.clamp(min=0)
-    stats = token_stats_reference(exact, safe)
-    logprob = torch.where(target < 0, torch.zeros_like(stats.logprob), stats.logprob)
-    outs = (logprob, stats.entropy, stats.sum_p2)
-    total = sum((o * g).sum() for o, g, u in zip(outs, grads, use, strict=True) if u)
-    total.backward()
-    grad = torch.zeros_like(logits)
-    grad[:, : case.vocab] = exact.grad
-    return [o.detach() for o in outs], grad
-
-
-def _tp_body(rank: int, world_size: int, case: Case, dtype: torch.dtype, use, chunk_size):
+def _tp_body(
+    rank: int, world_size: int, case: Case, dtype: torch.dtype, use, chunk_size, inplace=False
+):
     logits, target, grads = global_inputs(case, world_size)
     v_local = logits.shape[1] // world_size
     shard = logits[:, rank * v_local : (rank + 1) * v_local].to(dtype).contiguous()
     before = shard.clone()
     shard.requires_grad_()
+    output = shard * 1 if inplace else shard  # in place: a non-leaf, like the layer's logits
     stats = vocab_parallel_stats(
-        shard, target, case.vocab, tp_group=dist.group.WORLD, chunk_size=chunk_size
+        output,
+        target,
+        case.vocab,
+        tp_group=dist.group.WORLD,
+        chunk_size=chunk_size,
+        inplace_backward=inplace,
     )
     total = sum((o.double() * g).sum() for o, g, u in zip(stats, grads, use, strict=True) if u)
     total.backward()
-    assert torch.equal(shard.detach(), before), "the op modified its input logits"
+    if inplace:  # the gradient overwrote the logits
+        assert torch.equal(output.detach(), shard.grad), "gradient not written in place"
+    else:
+        assert torch.equal(shard.detach(), before), "the op modified its input logits"
     return [s.detach().double() for s in stats], shard.grad.double()
 
 
-def _check(case: Case, tp: int, dtype: torch.dtype, use=(True, True, True), chunk_size=7):
-    results = run_distributed(_tp_body, tp, args=(case, dtype, use, chunk_size), timeout=60)
-    ref_outs, ref_grad = _reference(case, tp, dtype, use)
+def _check(
+    case: Case, tp: int, dtype: torch.dtype, use=(True, True, True), chunk_size=7, inplace=False
+):
+    args = (case, dtype, use, chunk_size, inplace)
+    results = run_distributed(_tp_body, tp, args=args, timeout=60)
+    ref_outs, ref_grad = reference(case, tp, dtype, use)
     grad = torch.cat([g for _, g in results], dim=-1)
     for outs, _ in results:  # every rank holds the full per-token statistics
         for name, got, want in zip(("logprob", "entropy", "sum_p2"), outs, ref_outs, strict=True):
@@ -96,6 +97,16 @@ def test_gradient_of_each_output_alone(use) -> None:
 @pytest.mark.parametrize("chunk_size", [1, 5, None], ids=["chunk1", "chunk5", "default"])
 def test_chunking_does_not_change_results(chunk_size) -> None:
     _check(CASES[1], 2, torch.float32, chunk_size=chunk_size)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(
+    ("case", "use"),
+    [(CASES[1], (True, True, True)), (CASES[3], (False, True, False))],
+    ids=["padded_all", "ignored_entropy_only"],
+)
+def test_inplace_gradient(case: Case, use) -> None:
+    _check(case, 2, torch.float32, use=use, chunk_size=5, inplace=True)
 
 
 def _megatron_body(rank: int, world_size: int, case: Case):
@@ -144,7 +155,7 @@ def _two_groups_body(rank: int, world_size: int):
 def test_uses_the_explicit_group_not_global_state() -> None:
     for mine, outs in run_distributed(_two_groups_body, 4, timeout=60):
         case = Case(f"group{mine}", n_tokens=12, vocab=300, pad_multiple=128, seed=10 + mine)
-        ref, _ = _reference(case, 2, torch.float32, (True, True, True))
+        ref, _ = reference(case, 2, torch.float32, (True, True, True))
         for got, want in zip(outs, ref, strict=True):
             torch.testing.assert_close(got, want, atol=FP32_ATOL, rtol=0)
 
@@ -208,7 +219,7 @@ def test_compiled_kernels_match_eager_and_reference() -> None:
     # order, so the same fp32 tolerance applies. One TP=2 case: each rank compiles once.
     case = CASES[3]
     results = run_distributed(_compiled_body, 2, args=(case,), timeout=300)
-    ref_outs, ref_grad = _reference(case, 2, torch.float32, (True, True, True))
+    ref_outs, ref_grad = reference(case, 2, torch.float32, (True, True, True))
     for impl in ("eager", "compiled"):
         grad = torch.cat([r[impl][1] for r in results], dim=-1)
         torch.testing.assert_close(grad, ref_grad, atol=FP32_ATOL, rtol=0)
@@ -219,3 +230,9 @@ def test_compiled_kernels_match_eager_and_reference() -> None:
 def test_unknown_implementation_is_rejected() -> None:
     with pytest.raises(ValueError, match="'fused'"):
         vocab_parallel_stats(torch.randn(2, 5), torch.zeros(2).long(), 5, implementation="fused")
+
+
+@pytest.mark.skipif(triton_available(), reason="Triton is installed here")
+def test_triton_without_triton_says_what_is_missing() -> None:
+    with pytest.raises(ImportError, match="needs Triton"):
+        vocab_parallel_stats(torch.randn(2, 5), torch.zeros(2).long(), 5, implementation="triton")
