@@ -133,8 +133,8 @@ def render(summary: dict[str, Any]) -> str:
     sharpens = ": the policy sharpens" if distinct == "falls" else ""
     body = (
         f"Measured with `python benchmarks/readme_numbers.py` on {s['measured']}, "
-        f"{s['cpu_cores']} CPU cores shared with other jobs (load average "
-        f"{s['load_average_at_start']} at the start), Python {s['stack']['python']}, torch "
+        f"{s['cpu_cores']} CPU cores (load average {s['load_average_at_start']} at the "
+        f"start, above 1 when other jobs shared them), Python {s['stack']['python']}, torch "
         f"{s['stack']['torch']}, megatron-core {s['stack']['megatron-core']}, transformers "
         f"{s['stack']['transformers']}: "
         f"{_minutes(s['wall_s'])} in all (SFT {s['sft_steps']} steps in {s['sft_s']:.0f} s, "
