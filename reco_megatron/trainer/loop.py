@@ -42,6 +42,7 @@ from reco_megatron.trainer.metrics_writer import (
     truncate_jsonl,
 )
 from reco_megatron.trainer.preflight import preflight
+from reco_megatron.trainer.rollout_agreement import agree_on_completions
 from reco_megatron.trainer.rollout_batch import build_rollout_batch
 from reco_megatron.trainer.step_metrics import global_row, rollout_counters
 from reco_megatron.trainer.weight_sync import build_rollout_engine, sync_weights
@@ -177,10 +178,9 @@ class Trainer:
         logger.info("sft warm-up: %d steps in %.1f s", len(batches), time.perf_counter() - start)
 
     # ------------------------------------------------------------------ one step
-    def _generate(
-        self, indices: list[int]
-    ) -> tuple[list[list[int]], list[Any], list[str], list[int]]:
-        """Prompts of this DP rank's groups, their completions, golds and global indices."""
+    def _generate(self, indices: list[int]) -> tuple[list[list[int]], list[Any], list[str], bool]:
+        """Prompts of this DP rank's groups, their completions (the same on every rank of the
+        model-parallel group), golds, and whether the group's engines had disagreed."""
         r = self.cfg.rollout
         mine = data_parallel_groups(
             len(indices), self.dp_rank, self.dp_size, self.cfg.update.minibatches_per_rollout
@@ -189,7 +189,8 @@ class Trainer:
         prompts = [self.tokenizer.encode(self.formatter.format(rec.prompt)) for rec in records]
         seeds = [hash((self.cfg.trainer.seed, self.step, g)) % (2**31) for g in mine]
         completions = self.rollout.generate_seeded(prompts, r.group_size, seeds)
-        return prompts, completions, [rec.answer for rec in records], mine
+        completions, diverged = agree_on_completions(completions, self.layout.mp_group)
+        return prompts, completions, [rec.answer for rec in records], diverged
 
     def _score(
         self, texts: list[str], golds: list[str]
@@ -220,7 +221,7 @@ class Trainer:
         times: dict[str, float] = {}
         t0 = time.perf_counter()
         indices = self.sampler.next_batch()
-        prompts, completions, golds, _ = self._generate(indices)
+        prompts, completions, golds, diverged = self._generate(indices)
         responses = [c.token_ids for group in completions for c in group]
         logprobs = [c.logprobs for group in completions for c in group]
         times["time_rollout"] = time.perf_counter() - t0
@@ -253,6 +254,7 @@ class Trainer:
         self.step += 1
 
         local = rollout_counters(rewards, completions, g)
+        local["rollout_mp_divergence_sum"] = float(diverged)
         row = global_row(
             self.step, local, steps, prep, reward_metrics, adv_metrics, self.engine, self.layout
         )
