@@ -20,8 +20,7 @@ import torch
 
 from reco_megatron.parallel import vocab_parallel_stats
 from tests.gpu._cuda import GPU
-from tests.parallel._vocab_cases import CASES, Case, global_inputs
-from tests.parallel.test_vocab_stats import _reference
+from tests.parallel._vocab_cases import CASES, Case, global_inputs, reference
 
 pytestmark = GPU
 
@@ -37,7 +36,7 @@ def _atol(case: Case) -> float:
 @pytest.mark.parametrize("case", [*CASES, BIG], ids=lambda c: c.name)
 def test_compiled_on_cuda_matches_fp64(case: Case, dtype: torch.dtype) -> None:
     logits, target, grads = global_inputs(case, tp=1)
-    want, want_grad = _reference(case, 1, dtype, (True, True, True))
+    want, want_grad = reference(case, 1, dtype, (True, True, True))
     x = logits.to(dtype).cuda().requires_grad_()
     stats = vocab_parallel_stats(x, target.cuda(), case.vocab, implementation="compiled")
     total = sum((s.double() * g.cuda()).sum() for s, g in zip(stats, grads, strict=True))
