@@ -165,6 +165,35 @@ def write_results(path: Path, args: argparse.Namespace, rows, spread, timings) -
     path.write_text("\n".join(lines), encoding="utf-8")
 
 
+def _step_of(name: str) -> int:
+    """``"step_00000120"`` -> 120."""
+    return int(name.rsplit("_", 1)[-1])
+
+
+def _task_overrides(task: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """``["n_eval=128"]`` -> ``["data.countdown.n_eval=128"]``; a malformed item is a usage
+    error (the trainer's config validation checks the names and values)."""
+    bad = [t for t in task if "=" not in t or t.startswith("=") or t.startswith("data.")]
+    if bad:
+        parser.error(f"--task {bad}: give countdown settings as KEY=VALUE, e.g. n_eval=128")
+    return [f"data.countdown.{t}" for t in task]
+
+
+def _check_same_task(path: Path, task: list[str], sft_steps: int) -> None:
+    """An existing ``--out`` keeps its base: refuse other task or SFT settings instead of
+    mixing results of two bases."""
+    settings = {"task": sorted(task), "sft_steps": sft_steps}
+    if path.exists():
+        old = json.loads(path.read_text())
+        if old != settings:
+            raise SystemExit(
+                f"{path.parent} was made with {old}, this call asks for {settings}: use the "
+                "same --task / --sft-steps, or a new --out"
+            )
+    else:
+        path.write_text(json.dumps(settings))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=Path("runs/coverage"))
@@ -183,14 +212,34 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-interval", type=int, default=0, help="coverage eval during RL")
     p.add_argument("--save-every", type=int, default=10, help="RL checkpoint interval (resume)")
     p.add_argument("--jobs", type=int, default=1, help="RL runs in parallel")
+    p.add_argument(
+        "--task",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="countdown task settings for the base (data.countdown.KEY), e.g. n_eval=128",
+    )
+    p.add_argument(
+        "--curve",
+        nargs="+",
+        default=[],
+        metavar="METHOD/sSEED",
+        help="runs whose every saved checkpoint is evaluated (the budget search), e.g. grpo/s1",
+    )
     p.add_argument("--smoke", action="store_true", help="1 seed, tiny budget (CI)")
     args = p.parse_args(argv)
     if args.smoke:
         args.seeds, args.sft_steps, args.rl_steps = args.seeds[:1], 8, 2
         args.n = args.kmax = 4
         args.eval_prompts, args.prompts_per_step, args.eval_interval = 3, 4, 1
+    curve = set(args.curve)
+    unknown = sorted(curve - {f"{m}/s{s}" for m in args.methods for s in args.seeds})
+    if unknown:
+        p.error(f"--curve {unknown}: not among the runs (METHOD/sSEED of --methods, --seeds)")
+    task = _task_overrides(args.task, p)
     out = args.out.resolve()
     (out / "logs").mkdir(parents=True, exist_ok=True)
+    _check_same_task(out / "task.json", task, args.sft_steps)
     timings_file = out / "timings.json"
     timings: dict[str, float] = (
         json.loads(timings_file.read_text()) if timings_file.exists() else {}
@@ -199,15 +248,29 @@ def main(argv: list[str] | None = None) -> int:
 
     base = out / "base"
     if not (base / "checkpoints" / "latest").exists():
-        cmd = _train_cmd(base, ["trainer.max_steps=0", f"sft.steps={args.sft_steps}"])
+        cmd = _train_cmd(base, ["trainer.max_steps=0", f"sft.steps={args.sft_steps}", *task])
         timings["SFT"] = _run(cmd, out / "logs" / "base.log", threads * args.jobs)
     data = base / "data"
+    held_out = sum(1 for line in (data / "eval.jsonl").open() if line.strip())
+    if held_out < args.eval_prompts:
+        raise SystemExit(
+            f"--eval-prompts {args.eval_prompts} but the base's held-out split has {held_out} "
+            f"problems: lower --eval-prompts or start a new --out with --task n_eval="
+            f"{args.eval_prompts}"
+        )
 
     def rl(job: tuple[str, int]) -> float:
         method, seed = job
         run_dir = out / "runs" / f"{method}-s{seed}"
         if (run_dir / "checkpoints" / f"step_{args.rl_steps:08d}").exists():
             return 0.0  # finished; a partial run resumes from its latest checkpoint instead
+        latest = run_dir / "checkpoints" / "latest"
+        if latest.exists() and _step_of(latest.read_text().strip()) > args.rl_steps:
+            raise SystemExit(
+                f"{run_dir} is past step {args.rl_steps} and its step_{args.rl_steps:08d} was "
+                f"not kept: evaluate a kept step, or list the run in --curve (keeps every "
+                "checkpoint) in a new --out"
+            )
         overrides = [
             f"checkpoint.init_megatron={base / 'checkpoints'}",
             "sft.steps=0",
@@ -221,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
             f"eval.interval={args.eval_interval}",
             f"eval.n={min(args.n, 8)}",
             f"eval.num_prompts={min(args.eval_prompts, 8)}",
+            *(["checkpoint.keep_last=0"] if f"{method}/s{seed}" in curve else []),
             *COMMON,
             *METHODS[method],
         ]
@@ -231,19 +295,17 @@ def main(argv: list[str] | None = None) -> int:
     with ThreadPoolExecutor(args.jobs) as pool:
         ran = list(pool.map(rl, jobs))
     if any(t > 0 for t in ran):
-        timings["RL"] = time.perf_counter() - start
+        timings["RL"] = timings.get("RL", 0.0) + time.perf_counter() - start
+        timings_file.write_text(json.dumps(timings))
 
-    ckpts = [("base", base / "checkpoints")] + [
-        (f"{m}/s{s}", out / "runs" / f"{m}-s{s}" / "checkpoints") for m, s in jobs
-    ]
     protocol = f"n{args.n}-k{args.kmax}-p{args.eval_prompts}-t{args.temperature}-tp{args.top_p}"
-    entries = []
-    for label, ckpt in ckpts:
-        step = (ckpt / "latest").read_text().strip()  # a longer --rl-steps re-evaluates
-        part = out / "eval" / "parts" / protocol / f"{label.replace('/', '-')}-{step}"
+
+    def evaluate(label: str, step_dir: Path) -> list[dict]:
+        """``reco-eval`` of one checkpoint step, cached under the protocol and step."""
+        part = out / "eval" / "parts" / protocol / f"{label.replace('/', '-')}-{step_dir.name}"
         if not (part / "passk.json").exists():
             eval_cmd = [
-                sys.executable, "-m", "reco_megatron.evaluate", f"{label}={ckpt}",
+                sys.executable, "-m", "reco_megatron.evaluate", f"{label}={step_dir}",
                 "--data", str(data / "eval.jsonl"),
                 "--tokenizer", "examples/tiny/countdown_sp.model",
                 "--reward", "countdown", "--reward-workers", "1", "--n", str(args.n),
@@ -251,11 +313,25 @@ def main(argv: list[str] | None = None) -> int:
                 "--temperature", str(args.temperature), "--top-p", str(args.top_p),
                 "--max-new-tokens", "24", "--out", str(part), "--no-progress",
             ]  # fmt: skip
-            log = out / "logs" / f"eval-{label.replace('/', '-')}.log"
+            log = out / "logs" / f"eval-{label.replace('/', '-')}-{step_dir.name}.log"
             took = _run(eval_cmd, log, threads * args.jobs)
             timings["evaluation"] = timings.get("evaluation", 0.0) + took
             timings_file.write_text(json.dumps(timings))
-        entries += report.read_json(part / "passk.json")
+        return report.read_json(part / "passk.json")
+
+    base_step = base / "checkpoints" / (base / "checkpoints" / "latest").read_text().strip()
+    entries = evaluate("base", base_step)
+    for m, s in jobs:
+        step_dir = out / "runs" / f"{m}-s{s}" / "checkpoints" / f"step_{args.rl_steps:08d}"
+        entries += evaluate(f"{m}/s{s}", step_dir)
+    curves: dict[str, list[tuple[int, dict]]] = {}
+    for label in sorted(curve):
+        method, seed = label.split("/s")
+        ckpts = out / "runs" / f"{method}-s{seed}" / "checkpoints"
+        steps = sorted(ckpts.glob("step_*"))  # the whole search, also past --rl-steps
+        curves[label] = [(0, entries[0]["summary"])] + [
+            (_step_of(d.name), evaluate(label, d)[0]["summary"]) for d in steps
+        ]
     report.write_json(out / "eval" / "passk.json", entries)
 
     timings_file.write_text(json.dumps(timings))
