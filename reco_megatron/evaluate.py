@@ -105,6 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--template", default=None, help="used without a chat template")
     p.add_argument("--reward", default=None, help="math | countdown | module:function")
     p.add_argument("--reward-workers", type=int, default=2)
+    p.add_argument(
+        "--answer-key",
+        default="",
+        help="module:function naming a response's solution (distinct correct solutions per "
+        "problem); default: the reward's built-in (countdown); none: off",
+    )
     p.add_argument("--n", type=int, default=None, help="samples/problem (vllm 256, else 16)")
     p.add_argument("--kmax", type=int, default=None, help="largest k (default: n)")
     p.add_argument("--temperature", type=float, default=0.6)
@@ -168,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
             template=inputs["template"],
             reward=inputs["reward"],
             reward_workers=args.reward_workers,
+            answer_key=args.answer_key,
             n=n,
             kmax=args.kmax if args.kmax is not None else n,
             temperature=args.temperature,

@@ -119,6 +119,33 @@ def render(node: Node) -> str:
     return text
 
 
+def canonical(tree: tuple) -> Node:
+    """The canonical node of a parsed expression (:attr:`reco_megatron.data.arith.Parsed.tree`):
+    the same equivalence as the generator's (commutativity and associativity of ``+`` and
+    ``*``, ``a-(b-c)`` == ``a-b+c``), so two answers get the same node exactly when they count
+    as the same solution. A unary minus negates the terms of its operand."""
+    kind = tree[0]
+    if kind == "n":
+        return tree
+    if kind == "neg":
+        return ("s", tuple(sorted(_terms(canonical(tree[1]), -1))))
+    a, b = canonical(tree[1]), canonical(tree[2])
+    if kind == "*":
+        return ("p", tuple(sorted(_factors(a) + _factors(b))))
+    return ("s", tuple(sorted(_terms(a, 1) + _terms(b, 1 if kind == "+" else -1))))
+
+
+def solution_key(expression: str) -> str | None:
+    """A text naming ``expression``'s solution up to the equivalence of :func:`canonical`
+    (``"3*(4+5)"`` and ``"(5 + 4) * 3"`` give the same key), or None if it does not parse."""
+    from reco_megatron.data.arith import ArithmeticParseError, parse_arithmetic
+
+    try:
+        return render(canonical(parse_arithmetic(expression).tree))
+    except ArithmeticParseError:
+        return None
+
+
 def enumerate_solutions(numbers: Sequence[int]) -> dict[int, set[Node]]:
     """Map each reachable value to its distinct canonical expressions (numbers used <= once)."""
     n = len(numbers)

@@ -15,6 +15,10 @@ Reading the numbers (see ``docs/evaluation.md``):
 - ``rare_correct_frac``: share of problems solved by *exactly one* of the n samples: solutions
   the policy still finds, but rarely; the mass ReCo is meant to protect and GRPO to lose.
 - ``solved_frac``: share of problems with at least one correct sample (= pass@n).
+- ``distinct_correct``: distinct correct *solutions* per problem among the n samples, averaged
+  (only with an answer key, e.g. countdown's: answers equal up to commutativity count once).
+  Coverage of the answer set, not just of the problems: a policy can keep pass@n and still
+  collapse onto one solution per problem.
 """
 
 from __future__ import annotations
@@ -109,4 +113,6 @@ def coverage_summary(results: Sequence[ProblemResult], ks: Sequence[int]) -> dic
     out["mean_len"] = float(np.mean([r.mean_len for r in results]))
     out["truncated_frac"] = float(sum(r.truncated for r in results) / sum(r.n for r in results))
     out["num_problems"] = float(len(results))
+    if all("distinct_correct" in r.extra for r in results):
+        out["distinct_correct"] = float(np.mean([r.extra["distinct_correct"] for r in results]))
     return out

@@ -23,6 +23,7 @@ from reco_megatron.eval.checkpoints import EngineName, as_hf_dir, build_engine, 
 from reco_megatron.eval.metrics import check_kmax, coverage_summary, ks_up_to
 from reco_megatron.eval.runner import EvalProblem, evaluate_problems
 from reco_megatron.rewards.pool import RewardPool, RewardPoolConfig
+from reco_megatron.rewards.registry import BUILTIN_ANSWER_KEYS, resolve_reward
 from reco_megatron.rollout.base import SamplingParams
 from reco_megatron.utils.logging import get_logger
 
@@ -52,6 +53,10 @@ class EvalSettings:
     """Grader: ``math``, ``countdown`` or ``module:function``."""
     reward_workers: int = 2
     """Reward worker processes."""
+    answer_key: str = ""
+    """Names the solution of a response, to count distinct correct solutions per problem:
+    ``module:function`` (``(response, gold) -> str | None``, run in this process), ``none``,
+    or empty for the reward's built-in key if it has one (countdown)."""
     n: int = 16
     """Samples per problem (the paper: 256)."""
     kmax: int = 16
@@ -94,7 +99,16 @@ class EvalSettings:
     def protocol(self) -> dict[str, Any]:
         """The sampling protocol recorded next to the results."""
         keys = ("n", "kmax", "temperature", "top_p", "max_new_tokens", "seed", "reward", "engine")
-        return {key: getattr(self, key) for key in keys} | {"data": self.data}
+        return {key: getattr(self, key) for key in keys} | {
+            "data": self.data,
+            "answer_key": self.answer_key_spec(),
+        }
+
+    def answer_key_spec(self) -> str:
+        """The answer key in use: the given spec, the reward's built-in, or ``""`` (none)."""
+        if self.answer_key == "none":
+            return ""
+        return self.answer_key or BUILTIN_ANSWER_KEYS.get(self.reward, "")
 
 
 def load_tokenizer(spec: str | Path) -> Tokenizer:
@@ -165,6 +179,8 @@ def run_evaluation(settings: EvalSettings) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     for _, path in settings.checkpoints:  # fail fast, before any export or sampling
         checkpoint_kind(path)
+    key_spec = settings.answer_key_spec()
+    answer_key = resolve_reward(key_spec, BUILTIN_ANSWER_KEYS, "answer key") if key_spec else None
     hf_dirs = [(label, as_hf_dir(path, out / "exported")) for label, path in settings.checkpoints]
     tok_spec = settings.tokenizer or str(hf_dirs[0][1])
     tokenizer = load_tokenizer(tok_spec)
@@ -206,6 +222,7 @@ def run_evaluation(settings: EvalSettings) -> dict[str, Any]:
                     seed=settings.seed,
                     progress=settings.progress,
                     desc=label,
+                    answer_key=answer_key,
                 )
             finally:
                 engine.close()

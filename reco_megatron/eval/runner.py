@@ -56,6 +56,7 @@ def evaluate_problems(
     threshold: float = 1.0,
     progress: bool = False,
     desc: str = "pass@k",
+    answer_key: Callable[[str, str], str | None] | None = None,
 ) -> list[ProblemResult]:
     """Draw ``n`` samples per problem, grade them, and return one :class:`ProblemResult` each.
 
@@ -70,6 +71,9 @@ def evaluate_problems(
         seed: the evaluation seed (see :func:`problem_seed`).
         threshold: a sample is correct when its score is ``>= threshold``.
         progress: show a tqdm bar counting samples.
+        answer_key: ``key(text, gold)`` naming the solution a response gives; with it each
+            result's ``extra["distinct_correct"]`` counts the distinct keys among the correct
+            samples (``TypeError`` if it returns anything but a string or None).
     """
     if not problems:
         raise ValueError("no problems to evaluate: the dataset is empty")
@@ -83,15 +87,20 @@ def evaluate_problems(
             texts = [decode(ids) for ids in responses]
             scores = grade(texts, [problem.gold] * len(texts))
             stats = summarize_group(responses)
+            correct = [text for text, s in zip(texts, scores, strict=True) if s >= threshold]
+            extra = {}
+            if answer_key is not None:
+                extra["distinct_correct"] = float(_distinct(answer_key, correct, problem.gold))
             results.append(
                 ProblemResult(
                     id=problem.id,
                     n=len(group),
-                    correct=sum(1 for s in scores if s >= threshold),
+                    correct=len(correct),
                     unique_frac=stats["unique_frac"],
                     distinct_2=stats["distinct_2"],
                     mean_len=stats["mean_len"],
                     truncated=sum(1 for c in group if c.finish_reason == "length"),
+                    extra=extra,
                 )
             )
             if bar is not None:
@@ -100,3 +109,18 @@ def evaluate_problems(
         if bar is not None:
             bar.close()
     return results
+
+
+def _distinct(key: Callable[[str, str], str | None], texts: Sequence[str], gold: str) -> int:
+    """Distinct solutions among ``texts`` (correct responses); a None key is not counted."""
+    keys = set()
+    for text in texts:
+        value = key(text, gold)
+        if value is not None and not isinstance(value, str):
+            raise TypeError(
+                f"answer key {getattr(key, '__name__', key)!r} returned {value!r} for "
+                f"{text[:60]!r}: it must return a string naming the solution, or None"
+            )
+        keys.add(value)
+    keys.discard(None)
+    return len(keys)

@@ -13,7 +13,7 @@ import re
 from collections import Counter
 
 from reco_megatron.data.arith import ArithmeticParseError, parse_arithmetic
-from reco_megatron.data.countdown import parse_gold
+from reco_megatron.data.countdown import parse_gold, solution_key
 from reco_megatron.rewards.extract import last_boxed
 from reco_megatron.rewards.types import NO_ANSWER, OK, PARSE_FAILURE, RewardResult
 
@@ -67,3 +67,14 @@ def countdown_reward_result(response: str, gold: str) -> RewardResult:
 def countdown_reward(response: str, gold: str) -> float:
     """1.0 if the response's final expression uses the numbers fairly and equals the target."""
     return countdown_reward_result(response, gold).score
+
+
+def countdown_answer_key(response: str, gold: str) -> str | None:
+    """The solution a response gives, up to commutativity / associativity (the generator's
+    notion of distinct solutions, :func:`reco_megatron.data.countdown.solution_key`), or None
+    without a parsable answer. ``gold`` is unused: the key does not depend on the problem."""
+    del gold
+    if not isinstance(response, str):
+        return None
+    expression = extract_expression(response)
+    return None if expression is None else solution_key(expression)

@@ -23,29 +23,41 @@ BUILTIN_REWARDS: dict[str, str] = {
 }
 
 
+BUILTIN_ANSWER_KEYS: dict[str, str] = {
+    "countdown": "reco_megatron.rewards.countdown_reward:countdown_answer_key",
+}
+"""Answer keys by reward name: ``key(response, gold) -> str | None`` names the solution a
+response gives, so that evaluation can count the *distinct* correct solutions per problem."""
+
+
 class RewardSpecError(ValueError):
     """A reward spec cannot be imported or is not a ``(response, gold) -> float`` callable."""
 
 
-def resolve_reward(spec: str) -> Callable[[str, str], object]:
-    """The callable named by ``spec`` (built-in name or ``"module:function"``), validated."""
+def resolve_reward(
+    spec: str, builtins: dict[str, str] = BUILTIN_REWARDS, what: str = "reward"
+) -> Callable[[str, str], object]:
+    """The callable named by ``spec`` (built-in name or ``"module:function"``), validated.
+
+    ``builtins``/``what``: the name table and the word used in errors (answer keys reuse this
+    with :data:`BUILTIN_ANSWER_KEYS` and ``"answer key"``)."""
     if not isinstance(spec, str) or not spec.strip():
         raise RewardSpecError(
-            f"reward spec must be a built-in name {sorted(BUILTIN_REWARDS)} or "
+            f"{what} spec must be a built-in name {sorted(builtins)} or "
             f"'module:function', got {spec!r}"
         )
-    path = BUILTIN_REWARDS.get(spec, spec)
+    path = builtins.get(spec, spec)
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr or ":" in attr:
         raise RewardSpecError(
-            f"reward spec {spec!r} is neither a built-in ({sorted(BUILTIN_REWARDS)}) nor of the "
+            f"{what} spec {spec!r} is neither a built-in ({sorted(builtins)}) nor of the "
             "form 'package.module:function' (one colon between module and function)"
         )
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # ImportError, or whatever the module raises at import
         raise RewardSpecError(
-            f"reward {spec!r}: module {module_name!r} cannot be imported "
+            f"{what} {spec!r}: module {module_name!r} cannot be imported "
             f"({type(exc).__name__}: {exc}); check the spelling and that it is on PYTHONPATH"
         ) from exc
     obj: object = module
@@ -54,20 +66,20 @@ def resolve_reward(spec: str) -> Callable[[str, str], object]:
             names = sorted(n for n in dir(module) if callable(getattr(module, n, None)))
             names = [n for n in names if not n.startswith("_")][:20]
             raise RewardSpecError(
-                f"reward {spec!r}: module {module_name!r} has no attribute {attr!r} "
+                f"{what} {spec!r}: module {module_name!r} has no attribute {attr!r} "
                 f"(public callables there: {names})"
             )
         obj = getattr(obj, part)
     if not callable(obj):
         raise RewardSpecError(
-            f"reward {spec!r}: {attr!r} is a {type(obj).__name__}, not a callable; it must be "
-            "a function (response: str, gold: str) -> float"
+            f"{what} {spec!r}: {attr!r} is a {type(obj).__name__}, not a callable; it must be "
+            "a function (response: str, gold: str)"
         )
     try:
         inspect.signature(obj).bind("response", "gold")
     except TypeError as exc:
         raise RewardSpecError(
-            f"reward {spec!r}: {attr!r} cannot be called as fn(response, gold) ({exc}); give it "
+            f"{what} {spec!r}: {attr!r} cannot be called as fn(response, gold) ({exc}); give it "
             "two positional parameters"
         ) from exc
     except ValueError:

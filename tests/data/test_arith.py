@@ -87,3 +87,9 @@ def test_any_text_parses_or_raises_the_documented_error(text: str) -> None:
         return
     assert isinstance(parsed.value, int)
     assert set(text) <= set("0123456789+-*() \t")
+
+
+def test_the_tree_keeps_precedence_associativity_and_unary_minus() -> None:
+    assert parse_arithmetic("2 - 3 - 4").tree == ("-", ("-", ("n", 2), ("n", 3)), ("n", 4))
+    assert parse_arithmetic("2 + 3*4").tree == ("+", ("n", 2), ("*", ("n", 3), ("n", 4)))
+    assert parse_arithmetic("-(2+3)").tree == ("neg", ("+", ("n", 2), ("n", 3)))

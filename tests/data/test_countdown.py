@@ -16,6 +16,7 @@ from reco_megatron.data.countdown import (
     generate,
     parse_gold,
     render,
+    solution_key,
     write_splits,
 )
 
@@ -85,3 +86,18 @@ def test_bad_arguments_are_explained() -> None:
         generate(3, seed=0, n_numbers=2, min_solutions=50)
     with pytest.raises(ValueError, match="target=24 numbers"):
         parse_gold("24")
+
+
+def test_solution_key_is_the_generators_notion_of_distinct() -> None:
+    """Every enumerated solution keys to itself (so n distinct solutions give n keys), and
+    rewritings by commutativity / associativity / a-(b-c) = a-b+c give the same key, while
+    distributivity does not (the generator counts 3*(4+5) and 3*4+3*5 as two)."""
+    for problem in generate(25, seed=11, max_number=6, target_range=(5, 16), min_solutions=4):
+        assert [solution_key(s) for s in problem.solutions] == list(problem.solutions)
+    same = ["3*(4 + 5)", "(5+4)*3", "((4)+5) * 3"]
+    assert len({solution_key(s) for s in same}) == 1
+    assert solution_key("5-(4-3)") == solution_key("5 - 4 + 3") == solution_key("-4+5+3")
+    assert solution_key("2*(3*4)") == solution_key("4*3*2")
+    assert solution_key("3*4 + 3*5") != solution_key("3*(4+5)")
+    assert solution_key("x + 1") is None
+    assert solution_key("") is None

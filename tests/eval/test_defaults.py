@@ -35,3 +35,11 @@ def test_identical_curves_get_distinct_styles_and_a_note() -> None:
         styles[1]["linestyle"],
     )
     assert styles[2]["marker"] == styles[0]["marker"]
+
+
+def test_answer_key_defaults_to_the_rewards_builtin_and_can_be_switched_off() -> None:
+    assert _settings(reward="countdown").answer_key_spec().endswith(":countdown_answer_key")
+    assert _settings(reward="math").answer_key_spec() == ""
+    assert _settings(reward="countdown", answer_key="none").answer_key_spec() == ""
+    assert _settings(answer_key="pkg.mod:key").answer_key_spec() == "pkg.mod:key"
+    assert _settings(reward="countdown").protocol()["answer_key"].endswith("answer_key")

@@ -106,3 +106,33 @@ def test_outputs_exist_and_parse(tmp_path) -> None:
     rows = [{"step": s, **summary} for s in (0, 5)]
     curve = report.plot_over_training(tmp_path / "c.png", rows)
     assert curve is not None and curve.stat().st_size > 1000
+
+
+def test_distinct_correct_counts_distinct_keys_of_correct_samples_only() -> None:
+    """Correct samples "1" all give key "one"; with a key that tells them apart by their
+    sample index the count is c; wrong samples never count, None keys never count."""
+    problems = _problems()
+    kw = dict(n=8, sampling=SamplingParams(), grade=_grade, decode=_decode)
+    same = evaluate_problems(FakeEngine(), problems, answer_key=lambda t, g: "one", **kw)
+    assert [r.extra["distinct_correct"] for r in same] == [0, 1, 1, 1]
+    calls = iter(range(10**6))
+    each = evaluate_problems(FakeEngine(), problems, answer_key=lambda t, g: str(next(calls)), **kw)
+    assert [r.extra["distinct_correct"] for r in each] == [0, 1, 3, 8]
+    none = evaluate_problems(FakeEngine(), problems, answer_key=lambda t, g: None, **kw)
+    assert [r.extra["distinct_correct"] for r in none] == [0, 0, 0, 0]
+    summary = coverage_summary(each, ks_up_to(8))
+    assert summary["distinct_correct"] == 3.0
+    assert "distinct_correct" not in coverage_summary(
+        evaluate_problems(FakeEngine(), problems, **kw), ks_up_to(8)
+    )
+
+
+def test_an_answer_key_returning_a_non_string_is_named() -> None:
+    def bad_key(text, gold):
+        return 3
+
+    with pytest.raises(TypeError, match=r"bad_key.*must return a string"):
+        evaluate_problems(
+            FakeEngine(), _problems(), n=8, sampling=SamplingParams(), grade=_grade,
+            decode=_decode, answer_key=bad_key,
+        )  # fmt: skip

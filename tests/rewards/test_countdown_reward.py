@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from reco_megatron.data.countdown import generate
 from reco_megatron.rewards.countdown_reward import (
+    countdown_answer_key,
     countdown_reward,
     countdown_reward_result,
     extract_expression,
@@ -68,3 +69,12 @@ def test_malformed_gold_is_a_clear_error() -> None:
 @given(st.text(max_size=300))
 def test_garbage_scores_zero_without_raising(response: str) -> None:
     assert countdown_reward(response, GOLD) in (0.0, 1.0)
+
+
+def test_answer_key_names_the_solution_whatever_the_wording() -> None:
+    a = countdown_answer_key("I try 9 + 3*5.\nAnswer: 9 + 3*5", GOLD)
+    b = countdown_answer_key("Answer: 5*3+9 = 24", GOLD)
+    assert a == b == "9 + 3*5"
+    assert countdown_answer_key("Answer: (7 - 5)*(3 + 9)", GOLD) != a
+    assert countdown_answer_key("no answer here", GOLD) is None
+    assert countdown_answer_key(None, GOLD) is None  # type: ignore[arg-type]

@@ -8,7 +8,12 @@ import numpy as np
 import pytest
 
 from reco_megatron.rewards.countdown_reward import countdown_reward_result
-from reco_megatron.rewards.registry import RewardSpecError, coerce_result, resolve_reward
+from reco_megatron.rewards.registry import (
+    BUILTIN_ANSWER_KEYS,
+    RewardSpecError,
+    coerce_result,
+    resolve_reward,
+)
 from reco_megatron.rewards.types import RewardResult
 from tests.rewards import _helpers
 
@@ -55,3 +60,10 @@ def test_bad_specs_raise_with_the_spec_in_the_message(spec: str, message: str) -
 )
 def test_coerce_result(value: object, expected: RewardResult) -> None:
     assert coerce_result(value) == expected
+
+
+def test_answer_keys_resolve_with_their_own_wording() -> None:
+    key = resolve_reward("countdown", BUILTIN_ANSWER_KEYS, "answer key")
+    assert key("Answer: 3 + 4", "target=7 numbers=3,4") == "3 + 4"
+    with pytest.raises(RewardSpecError, match="answer key spec 'nope' is neither a built-in"):
+        resolve_reward("nope", BUILTIN_ANSWER_KEYS, "answer key")
