@@ -9,8 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from stats import bootstrap_ci, sign_flip_p
 from task import POLICY_DIM, POLICY_HIDDEN, SFT_BATCH, SFT_LR
+
+from reco_megatron.eval.stats import bootstrap_ci, sign_flip_p
 
 FINAL_KEYS = [
     ("pass1", "pass@1"),

@@ -1,6 +1,7 @@
 """The coverage experiment's reduced version (examples/coverage/run.py --smoke): SFT base ->
-GRPO and ReCo (1 seed, 2 RL steps, coverage eval every step) -> reco-eval -> report. Checks
-that the pipeline runs and writes its outputs, not the outcome."""
+GRPO and ReCo (1 seed, 2 RL steps, coverage eval every step, GRPO's budget curve) -> reco-eval
+-> report. Checks that the pipeline runs and writes its outputs, not the outcome; the report's
+statistics are checked against hand-made counts."""
 
 from __future__ import annotations
 
@@ -20,13 +21,19 @@ def test_coverage_experiment_smoke(tmp_path) -> None:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     out = tmp_path / "cov"
-    assert module.main(["--smoke", "--out", str(out), "--methods", "grpo", "reco"]) == 0
+    argv = ["--smoke", "--out", str(out), "--methods", "grpo", "reco", "--curve", "grpo/s1"]
+    assert module.main(argv) == 0
     entries = json.loads((out / "eval" / "passk.json").read_text())["checkpoints"]
     assert [e["label"] for e in entries] == ["base", "grpo/s1", "reco/s1"]
-    assert all(set(e["summary"]) >= {"pass@1", "pass@4", "rare_correct_frac"} for e in entries)
+    keys = {"pass@1", "pass@4", "rare_correct_frac", "distinct_correct"}
+    assert all(set(e["summary"]) >= keys for e in entries)
+    for e in entries:  # distinct correct solutions never exceed the correct samples
+        assert all(0 <= p["extra"]["distinct_correct"] <= p["correct"] for p in e["problems"])
     report = (out / "coverage.md").read_text()
-    assert "| grpo |" in report and "coverage.png" in report
-    assert (out / "coverage.png").stat().st_size > 1000
+    assert "| grpo | 1 |" in report and "| reco - grpo |" in report
+    assert "## Budget search" in report and "| 2 |" in report  # the curve: steps 0 and 2
+    for png in ("coverage.png", "coverage_budget.png"):
+        assert png in report and (out / png).stat().st_size > 1000
     # Resumable: a second invocation finds every stage done and redoes none of them.
     parts = sorted((out / "eval" / "parts").glob("*/*/passk.json"))
     names = [p.parent.name for p in parts]
@@ -34,7 +41,7 @@ def test_coverage_experiment_smoke(tmp_path) -> None:
     stamps = {p: p.stat().st_mtime_ns for p in parts}
     ckpt_stamps = {p: p.stat().st_mtime_ns for p in out.glob("*/**/checkpoints/latest")}
     assert len(ckpt_stamps) == 3
-    assert module.main(["--smoke", "--out", str(out), "--methods", "grpo", "reco"]) == 0
+    assert module.main(argv) == 0
     assert {p: p.stat().st_mtime_ns for p in parts} == stamps
     assert {p: p.stat().st_mtime_ns for p in out.glob("*/**/checkpoints/latest")} == ckpt_stamps
     for run in ("grpo-s1", "reco-s1"):
@@ -42,3 +49,42 @@ def test_coverage_experiment_smoke(tmp_path) -> None:
         assert [r["step"] for r in rows] == [0, 1, 2]
         assert "pass@2" in rows[0] and "unique_frac" in rows[0]
         assert (out / "runs" / run / "coverage_curve.png").exists()
+
+
+def test_coverage_report_statistics_from_counts() -> None:
+    """pass@k, intervals and paired differences from hand-made per-problem counts."""
+    spec = importlib.util.spec_from_file_location(
+        "coverage_analysis", ROOT / "examples/coverage/analysis.py"
+    )
+    assert spec is not None and spec.loader is not None
+    analysis = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(analysis)
+
+    def entry(label, correct, distinct):
+        problems = [
+            {"id": f"p{i}", "n": 4, "correct": c, "unique_frac": 0.5,
+             "extra": {"distinct_correct": d}}
+            for i, (c, d) in enumerate(zip(correct, distinct, strict=True))
+        ]  # fmt: skip
+        return {"label": label, "problems": problems}
+
+    entries = [
+        entry("base", [0, 1, 4, 2], [0, 1, 3, 2]),
+        entry("grpo/s1", [0, 4, 4, 4], [0, 1, 1, 1]),
+        entry("grpo/s2", [0, 4, 4, 4], [0, 1, 1, 1]),
+        entry("reco/s1", [1, 4, 4, 4], [1, 2, 2, 2]),
+        entry("reco/s2", [1, 4, 4, 4], [1, 2, 2, 2]),
+    ]
+    groups = analysis.group(entries)
+    assert [len(groups[m]) for m in ("base", "grpo", "reco")] == [1, 2, 2]
+    # pass@4 with n = 4 is "solved at all": base 3/4, grpo 3/4, reco 4/4.
+    assert analysis.values(groups["reco"], "pass@4").mean() == 1.0
+    assert analysis.values(groups["base"], "pass@1").mean() == (0 + 0.25 + 1 + 0.5) / 4
+    table = analysis.results_table(groups, ["grpo", "reco"])
+    assert "| grpo | 2 | 75.0 [" in table  # pass@1 of grpo: 3 of 4 problems always solved
+    diff = analysis.difference_table(groups, ["grpo", "reco"], ["grpo"])
+    # reco - grpo in distinct correct: +1 on every problem and seed, a zero-width interval.
+    assert "+1.00 [+1.00, +1.00]*" in diff
+    entries[3]["problems"] = entries[3]["problems"][:3]
+    with pytest.raises(ValueError, match="other problems"):
+        analysis.group(entries)

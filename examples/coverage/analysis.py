@@ -1,0 +1,226 @@
+"""The coverage experiment's numbers: per-problem arrays from ``reco-eval``'s JSON, pass@k for
+every k = 1..n by the unbiased estimator, 95 % intervals over seeds *and* held-out problems,
+paired differences between methods, the tables and the figures of ``docs/results/coverage.md``.
+
+Everything is recomputed from the raw per-problem counts (``n``, ``correct``,
+``extra.distinct_correct``), never from the summaries, so the report cannot disagree with the
+data it ships next to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from reco_megatron.algo.passk import pass_at_k
+from reco_megatron.eval.stats import seed_problem_bootstrap
+
+PASSK_SHOWN = (1, 4, 16, 64)
+"""pass@k columns of the tables besides pass@n."""
+
+
+class Scores:
+    """One checkpoint's per-problem counts: ``n`` samples, ``c`` correct, ``distinct`` correct
+    solutions, ``unique`` share of distinct responses; arrays of shape ``[P]`` in problem order."""
+
+    def __init__(self, entry: Mapping[str, Any]) -> None:
+        problems = sorted(entry["problems"], key=lambda p: p["id"])
+        self.ids = [p["id"] for p in problems]
+        self.n = np.array([p["n"] for p in problems])
+        self.c = np.array([p["correct"] for p in problems])
+        self.distinct = np.array(
+            [p.get("extra", {}).get("distinct_correct", np.nan) for p in problems], dtype=float
+        )
+        self.unique = np.array([p["unique_frac"] for p in problems], dtype=float)
+
+    def metric(self, name: str) -> np.ndarray:
+        """``[P]`` per-problem values of ``pass@k``, ``distinct_correct``, ``unique_frac``."""
+        if name.startswith("pass@"):
+            return pass_at_k(self.n, self.c, int(name.split("@")[1]))
+        if name == "distinct_correct":
+            return self.distinct
+        if name == "unique_frac":
+            return self.unique
+        raise KeyError(f"unknown metric {name!r}")
+
+
+def group(entries: Sequence[Mapping[str, Any]]) -> dict[str, list[Scores]]:
+    """``{"base": [scores], "grpo": [seed 1, seed 2, ...], ...}`` from labels ``method/sSEED``;
+    every checkpoint must hold the same problems (else the pairing is meaningless)."""
+    out: dict[str, list[Scores]] = {}
+    ids = None
+    for entry in sorted(entries, key=lambda e: e["label"]):
+        scores = Scores(entry)
+        if ids is None:
+            ids = scores.ids
+        elif scores.ids != ids:
+            raise ValueError(
+                f"{entry['label']} was evaluated on other problems than the first checkpoint: "
+                "evaluate every checkpoint with the same --eval-prompts"
+            )
+        out.setdefault(entry["label"].split("/")[0], []).append(scores)
+    return out
+
+
+def values(runs: Sequence[Scores], metric: str) -> np.ndarray:
+    """``[seeds, problems]`` values of ``metric``."""
+    return np.stack([r.metric(metric) for r in runs])
+
+
+def interval_cell(x: np.ndarray, scale: float, digits: int) -> str:
+    """``"mean [lo, hi]"`` of ``x[seeds, problems]`` (95 % seed-and-problem bootstrap)."""
+    lo, hi = seed_problem_bootstrap(x)
+    return f"{scale * x.mean():.{digits}f} [{scale * lo:.{digits}f}, {scale * hi:.{digits}f}]"
+
+
+def table_columns(n: int) -> list[tuple[str, str, float, int]]:
+    """``(metric, header, scale, digits)`` of the result tables for ``n`` samples."""
+    ks = [k for k in PASSK_SHOWN if k < n] + [n]
+    return [(f"pass@{k}", f"pass@{k} %", 100.0, 1) for k in ks] + [
+        ("distinct_correct", "distinct correct", 1.0, 2),
+        ("unique_frac", "unique %", 100.0, 1),
+    ]
+
+
+def results_table(groups: Mapping[str, list[Scores]], methods: Sequence[str]) -> str:
+    """Markdown: one row per method, ``mean [95 % interval]`` per column."""
+    n = int(groups["base"][0].n.min())
+    columns = table_columns(n)
+    lines = [
+        "| checkpoint | runs | " + " | ".join(c[1] for c in columns) + " |",
+        "|---|---" + "|---" * len(columns) + "|",
+    ]
+    for name in ["base", *methods]:
+        runs = groups[name]
+        cells = [interval_cell(values(runs, m), s, d) for m, _, s, d in columns]
+        lines.append(f"| {name} | {len(runs)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def difference_table(
+    groups: Mapping[str, list[Scores]], methods: Sequence[str], against: Sequence[str]
+) -> str:
+    """Markdown: paired differences ``method - reference`` (same seeds, same problems; the
+    base is one checkpoint shared by every seed), mean and 95 % interval; ``*`` marks an
+    interval that excludes 0."""
+    n = int(groups["base"][0].n.min())
+    columns = [c for c in table_columns(n) if c[0] != "unique_frac"]
+    lines = [
+        "| difference | " + " | ".join(c[1] for c in columns) + " |",
+        "|---" + "|---" * len(columns) + "|",
+    ]
+    for reference in against:
+        for name in methods:
+            if name == reference:
+                continue
+            cells = []
+            for metric, _, scale, digits in columns:
+                mine = values(groups[name], metric)
+                ref = values(groups[reference], metric)
+                if ref.shape[0] == 1:
+                    ref = np.repeat(ref, mine.shape[0], axis=0)
+                elif ref.shape != mine.shape:
+                    raise ValueError(f"{name} and {reference} have different seeds")
+                d = mine - ref
+                lo, hi = seed_problem_bootstrap(d)
+                star = "*" if lo > 0 or hi < 0 else ""
+                cells.append(
+                    f"{scale * d.mean():+.{digits}f} [{scale * lo:+.{digits}f}, "
+                    f"{scale * hi:+.{digits}f}]{star}"
+                )
+            lines.append(f"| {name} - {reference} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def budget_table(curve: Sequence[tuple[int, Mapping[str, Any]]]) -> str:
+    """Markdown: the budget search, one row per evaluated step (step 0 = the base)."""
+    n = int(Scores(curve[0][1]).n.min())
+    columns = [c for c in table_columns(n) if c[0] != "unique_frac"]
+    lines = [
+        "| RL step | " + " | ".join(c[1] for c in columns) + " | solved % |",
+        "|---" * (len(columns) + 2) + "|",
+    ]
+    for step, entry in curve:
+        scores = Scores(entry)
+        cells = [f"{s * scores.metric(m).mean():.{d}f}" for m, _, s, d in columns]
+        cells.append(f"{100.0 * np.mean(scores.c > 0):.1f}")
+        lines.append(f"| {step} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_passk_curves(
+    path: Path, groups: Mapping[str, list[Scores]], methods: Sequence[str], title: str
+) -> Path:
+    """pass@k for k = 1..n (log2 axis): mean over seeds and problems, 95 % band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = int(groups["base"][0].n.min())
+    ks = np.unique(np.round(np.geomspace(1, n, 22)).astype(int))
+    fig, (ax, inset) = plt.subplots(1, 2, figsize=(11, 4.2), width_ratios=(3, 2))
+    for name in ["base", *methods]:
+        runs = groups[name]
+        mean = [100.0 * values(runs, f"pass@{k}").mean() for k in ks]
+        band = np.array([seed_problem_bootstrap(values(runs, f"pass@{k}"), n_boot=600) for k in ks])
+        style = {"linestyle": "--", "color": "black"} if name == "base" else {}
+        (line,) = ax.plot(ks, mean, label=name, **style)
+        ax.fill_between(ks, 100 * band[:, 0], 100 * band[:, 1], color=line.get_color(), alpha=0.12)
+        large = ks >= n // 8
+        inset.plot(ks[large], np.array(mean)[large], marker="o", markersize=3, **style)
+        inset.fill_between(
+            ks[large],
+            100 * band[large, 0],
+            100 * band[large, 1],
+            color=line.get_color(),
+            alpha=0.12,
+        )
+    for axis in (ax, inset):
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("k (samples)")
+        axis.grid(True, alpha=0.3)
+    ax.set_ylabel("pass@k (%)")
+    ax.set_title(title)
+    inset.set_title(f"large k (k >= {n // 8}), same data")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_budget(path: Path, curves: Mapping[str, Sequence[tuple[int, Mapping[str, Any]]]]) -> Path:
+    """The budget search: pass@1, pass@64, pass@n and distinct correct solutions against the RL
+    step, one line per curve run; the base (step 0) as a dotted reference."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for label, curve in curves.items():
+        steps = [s for s, _ in curve]
+        scores = [Scores(e) for _, e in curve]
+        n = int(scores[0].n.min())
+        for k in sorted({1, min(64, n), n}):
+            ys = [100.0 * s.metric(f"pass@{k}").mean() for s in scores]
+            (line,) = ax1.plot(steps, ys, marker="o", markersize=3, label=f"{label} pass@{k}")
+            ax1.axhline(ys[0], color=line.get_color(), linestyle=":", linewidth=1)
+        ys = [s.distinct.mean() for s in scores]
+        ax2.plot(steps, ys, marker="o", markersize=3, label=label)
+        ax2.axhline(ys[0], color="gray", linestyle=":", linewidth=1)
+    ax1.set_ylabel("held-out pass@k (%)")
+    ax2.set_ylabel("distinct correct solutions per problem")
+    for axis in (ax1, ax2):
+        axis.set_xlabel("RL step")
+        axis.grid(True, alpha=0.3)
+        axis.legend(fontsize=8)
+    ax1.set_title("budget search (dotted: the base)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
