@@ -243,6 +243,11 @@ def main(argv: list[str] | None = None) -> int:
         metavar="METHOD/sSEED",
         help="runs whose every saved checkpoint is evaluated (the budget search), e.g. grpo/s1",
     )
+    p.add_argument(
+        "--keep-all",
+        action="store_true",
+        help="keep every saved checkpoint of every run (a shorter budget can be evaluated later)",
+    )
     p.add_argument("--smoke", action="store_true", help="1 seed, tiny budget (CI)")
     args = p.parse_args(argv)
     if args.smoke:
@@ -301,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
             f"eval.interval={args.eval_interval}",
             f"eval.n={min(args.n, 8)}",
             f"eval.num_prompts={min(args.eval_prompts, 8)}",
-            *(["checkpoint.keep_last=0"] if f"{method}/s{seed}" in curve else []),
+            *(["checkpoint.keep_last=0"] if args.keep_all or f"{method}/s{seed}" in curve else []),
             *COMMON,
             *METHODS[method],
         ]
