@@ -74,8 +74,12 @@ class CoverageEvaluator:
         *,
         max_new_tokens: int,
         max_prompt_len: int,
+        answer_key: Callable[[str, str], str | None] | None = None,
     ) -> None:
+        """``answer_key``: names a response's solution, to count distinct correct solutions
+        (``distinct_correct`` in the rows; e.g. the reward's built-in key)."""
         self.cfg = cfg
+        self.answer_key = answer_key
         self.out = Path(out_dir)
         self.tokenizer = tokenizer
         data = PromptDataset(
@@ -130,6 +134,7 @@ class CoverageEvaluator:
             grade=grade,
             decode=self.tokenizer.decode,
             seed=self.cfg.seed,
+            answer_key=self.answer_key,
         )
         row: dict[str, Any] = {"step": step, **coverage_summary(results, self.ks)}
         row["time_s"] = time.perf_counter() - start

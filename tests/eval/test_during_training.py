@@ -46,6 +46,7 @@ def test_schedule_rows_and_curve(tmp_path) -> None:
         PromptFormatter(template="{prompt}"),
         max_new_tokens=4,
         max_prompt_len=8,
+        answer_key=lambda text, gold: text,
     )
     engine = FakeEngine()
     ran = [s for s in range(8) if cov.maybe_run(s, 7, engine, _grade) is not None]
@@ -53,6 +54,7 @@ def test_schedule_rows_and_curve(tmp_path) -> None:
     rows = [json.loads(x) for x in (tmp_path / "eval.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == ran
     assert rows[0]["pass@1"] == pytest.approx(12 / 32) and rows[0]["rare_correct_frac"] == 0.25
+    assert rows[0]["distinct_correct"] == 0.75  # every correct sample is the text "1"
     assert cov.finish() == tmp_path / "coverage_curve.png"
     resumed = CoverageEvaluator(
         EvalConfig(interval=3, n=8),
