@@ -78,9 +78,11 @@ def quantile_metrics(
 
 
 def weight_metrics(weights: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Mean, min, max and effective sample size of response weights ``w [B]``.
+    """Mean, min, max, effective sample size and active share of response weights ``w [B]``.
 
-    ESS = (sum w)^2 / (sum w^2) / n, in (0, 1]; 1 means uniform weights.
+    ESS = (sum w)^2 / (sum w^2) / n, in (0, 1]; 1 means uniform weights. ``weight_active``:
+    the share of responses with ``w < 1``, i.e. where ReCo's response weight acts at all
+    (``docs/loss.md``: at long lengths it is usually 0).
     """
     w = weights.detach().double()
     n = max(w.numel(), 1)
@@ -93,4 +95,5 @@ def weight_metrics(weights: torch.Tensor) -> dict[str, torch.Tensor]:
         "weight_min/min": (zero if empty else w.min()).float(),
         "weight_max/max": (zero if empty else w.max()).float(),
         "weight_ess/mean": ess.float(),
+        "weight_active/mean": (zero if empty else (w < 1.0).double().mean()).float(),
     }

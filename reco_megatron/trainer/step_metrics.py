@@ -83,6 +83,7 @@ def global_row(
         ("clip_frac", "clip_frac"),
         ("weight_mean", "weight_mean"),
         ("weight_ess", "weight_ess"),
+        ("weight_active", "weight_active"),
         ("grad_norm", "grad_norm"),
         ("kl_old_new", "kl_old_new"),
         ("token_ratio_max", "token_ratio_max"),

@@ -243,6 +243,7 @@ def test_weight_metrics() -> None:
     assert m["weight_min/min"].item() == 0.5 and m["weight_max/max"].item() == 1.5
     # ESS = (2)^2 / (0.25 + 2.25) / 2 = 0.8
     assert m["weight_ess/mean"].item() == pytest.approx(0.8)
+    assert m["weight_active/mean"].item() == 0.5  # 0.5 < 1 acts, 1.5 does not
 
 
 def test_padding_inf_does_not_leak() -> None:

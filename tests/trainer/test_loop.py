@@ -46,6 +46,7 @@ REQUIRED = [
     "clip_frac",
     "weight_mean",
     "weight_ess",
+    "weight_active",
     "response_len_mean",
     "unique_frac",
     "pass@1",
