@@ -224,3 +224,58 @@ def plot_budget(path: Path, curves: Mapping[str, Sequence[tuple[int, Mapping[str
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+TRAINING_KEYS = (
+    ("reward_mean", "reward", 1.0, 3),
+    ("unique_frac", "unique in group", 1.0, 3),
+    ("entropy_mean", "token entropy", 1.0, 3),
+    ("weight_mean", "weight mean", 1.0, 3),
+    ("weight_active", "w < 1 share", 1.0, 3),
+)
+"""Training metrics of the table: ``(metrics.jsonl key, header, scale, digits)``."""
+
+
+def read_metrics(path: Path, last_step: int) -> list[dict[str, Any]]:
+    """The rows of a run's ``metrics.jsonl`` up to ``last_step`` (a resumed run may have
+    logged a step twice: the last row of a step wins)."""
+    import json
+
+    rows: dict[int, dict[str, Any]] = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            row = json.loads(line)
+            if row["step"] <= last_step:
+                rows[row["step"]] = row
+    return [rows[s] for s in sorted(rows)]
+
+
+def training_table(
+    runs: Mapping[str, Sequence[Sequence[Mapping[str, Any]]]], window: int = 20
+) -> str:
+    """Markdown: per method, the training metrics averaged over each run's first and last
+    ``window`` steps, then over seeds (``first -> last``); a metric a run did not log (older
+    code, e.g. ``weight_active``) is averaged over the runs that did, their count in brackets.
+    ``runs[method]`` holds each seed's metric rows."""
+    lines = [
+        "| method | " + " | ".join(k[1] for k in TRAINING_KEYS) + " |",
+        "|---" * (len(TRAINING_KEYS) + 1) + "|",
+    ]
+    for method, seeds in runs.items():
+        cells = []
+        for key, _, scale, digits in TRAINING_KEYS:
+            pairs = []
+            for rows in seeds:
+                # NaN is written as null (e.g. weight_mean of a GRPO run): such rows are left out.
+                logged = [r[key] for r in rows if r.get(key) is not None]
+                logged = [v for v in logged if np.isfinite(v)]
+                if logged:
+                    pairs.append((np.mean(logged[:window]), np.mean(logged[-window:])))
+            if not pairs:
+                cells.append("-")
+                continue
+            a, b = np.mean(np.array(pairs), axis=0)
+            note = f" ({len(pairs)} of {len(seeds)} runs)" if len(pairs) < len(seeds) else ""
+            cells.append(f"{scale * a:.{digits}f} -> {scale * b:.{digits}f}{note}")
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

@@ -170,6 +170,19 @@ def write_results(
         "Paired differences (same seeds, same problems):",
         "",
         analysis.difference_table(groups, methods, references),
+        "Training (rollout groups; mean of the first -> last 20 steps, then over seeds):",
+        "",
+        analysis.training_table(
+            {
+                m: [
+                    analysis.read_metrics(
+                        args.out.resolve() / "runs" / f"{m}-s{s}" / "metrics.jsonl", args.rl_steps
+                    )
+                    for s in args.seeds
+                ]
+                for m in methods
+            }
+        ),
         "`distinct correct`: distinct correct solutions per problem among the n samples (answers",
         "equal up to commutativity and associativity count once); `unique %`: distinct responses",
         f"/ n. Raw per-problem counts: `{_shown(args.out)}/eval/passk.json` (a copy:",

@@ -85,6 +85,13 @@ def test_coverage_report_statistics_from_counts() -> None:
     diff = analysis.difference_table(groups, ["grpo", "reco"], ["grpo"])
     # reco - grpo in distinct correct: +1 on every problem and seed, a zero-width interval.
     assert "+1.00 [+1.00, +1.00]*" in diff
+    # Training table: first/last-window means per run, then over runs; a metric that one run
+    # did not log is averaged over the others and says so; null (NaN) rows are left out.
+    run_a = [{"step": t, "reward_mean": float(t), "weight_active": None} for t in range(40)]
+    run_b = [{"step": t, "reward_mean": 1.0, "weight_active": 0.5} for t in range(40)]
+    row = analysis.training_table({"reco": [run_a, run_b]}).splitlines()[2]
+    assert row.startswith("| reco | 5.250 -> 15.250 |")  # (9.5 + 1) / 2 and (29.5 + 1) / 2
+    assert row.endswith("| 0.500 -> 0.500 (1 of 2 runs) |")
     entries[3]["problems"] = entries[3]["problems"][:3]
     with pytest.raises(ValueError, match="other problems"):
         analysis.group(entries)
