@@ -5,8 +5,8 @@ The run of ``docs/results/coverage.md`` (about 2 h on 2 cores; see its "Generate
 the exact command)::
 
     python examples/coverage/run.py --out runs/coverage --task n_train=160 n_eval=128 \
-        max_number=6 --seeds 1 2 3 4 5 --rl-steps 200 --save-every 20 --curve grpo/s1 \
-        --eval-prompts 128 --n 128 --kmax 128 --jobs 2
+        max_number=6 --seeds 1 2 3 4 5 --rl-steps 120 --save-every 20 --keep-all \
+        --curve grpo/s1 --curve-steps 240 --eval-prompts 128 --n 128 --kmax 128 --jobs 2
 
 The reduced version CI runs (1 seed, 2 RL steps, n = 4; checks the pipeline, not the outcome)::
 
@@ -18,8 +18,8 @@ Steps (each a subprocess of the shipped entry points, so this is also an end-to-
 2. One RL run per (method, seed), all from the base weights (``checkpoint.init_megatron=``),
    on the same training prompts, with the same compute budget (steps x prompts x group size);
    the methods differ only by the loss overrides in :data:`METHODS`.
-   A ``--curve`` run keeps every checkpoint (the budget search: at which step does GRPO's
-   large-k pass@k fall below the base's?).
+   A ``--curve`` run keeps every checkpoint and trains ``--curve-steps`` long (the budget
+   search: at which step does GRPO's large-k pass@k fall below the base's?).
 3. ``reco-eval`` on the base and on ``step_<rl-steps>`` of every run (and on every kept step of
    the ``--curve`` runs): the same held-out prompts and per-problem sampling seeds for
    everyone; per problem the correct count and the distinct correct solutions.
@@ -144,6 +144,14 @@ def write_results(
         f"- RL: {args.rl_steps} steps x {args.prompts_per_step} prompts x G = 8 from the base, "
         f"2 mini-batch updates per rollout batch, lr {args.lr}, no KL, clip 0.2/0.28, "
         f"seeds {seeds}; the methods differ only in the loss (`METHODS` in the script).",
+        *(
+            [
+                f"- Budget search: {', '.join(args.curve)} trained to step "
+                f"{max(args.curve_steps, args.rl_steps)}, every {args.save_every}th step evaluated."
+            ]
+            if args.curve
+            else []
+        ),
         f"- Evaluation: {args.eval_prompts} held-out problems, n = {args.n} samples each, "
         f"T = {args.temperature}, top-p = {args.top_p}, pass@k for every k = 1..{args.n} by "
         "the unbiased estimator; the same per-problem sampling seeds for every checkpoint.",
@@ -257,6 +265,13 @@ def main(argv: list[str] | None = None) -> int:
         help="runs whose every saved checkpoint is evaluated (the budget search), e.g. grpo/s1",
     )
     p.add_argument(
+        "--curve-steps",
+        type=int,
+        default=0,
+        help="train the --curve runs this long (default: --rl-steps); the other runs stop at "
+        "--rl-steps and are compared there",
+    )
+    p.add_argument(
         "--keep-all",
         action="store_true",
         help="keep every saved checkpoint of every run (a shorter budget can be evaluated later)",
@@ -267,6 +282,12 @@ def main(argv: list[str] | None = None) -> int:
         args.seeds, args.sft_steps, args.rl_steps = args.seeds[:1], 8, 2
         args.n = args.kmax = 4
         args.eval_prompts, args.prompts_per_step, args.eval_interval = 3, 4, 1
+    if args.curve_steps > args.rl_steps and (not args.curve or args.rl_steps % args.save_every):
+        p.error(
+            f"--curve-steps {args.curve_steps} > --rl-steps {args.rl_steps} needs --curve runs "
+            f"and a --save-every that divides --rl-steps (got {args.save_every}), so that the "
+            "curve runs keep the step the methods are compared at"
+        )
     curve = set(args.curve)
     unknown = sorted(curve - {f"{m}/s{s}" for m in args.methods for s in args.seeds})
     if unknown:
@@ -297,7 +318,9 @@ def main(argv: list[str] | None = None) -> int:
     def rl(job: tuple[str, int]) -> float:
         method, seed = job
         run_dir = out / "runs" / f"{method}-s{seed}"
-        if (run_dir / "checkpoints" / f"step_{args.rl_steps:08d}").exists():
+        in_curve = f"{method}/s{seed}" in curve
+        steps = max(args.rl_steps, args.curve_steps) if in_curve else args.rl_steps
+        if (run_dir / "checkpoints" / f"step_{steps:08d}").exists():
             return 0.0  # finished; a partial run resumes from its latest checkpoint instead
         latest = run_dir / "checkpoints" / "latest"
         if latest.exists() and _step_of(latest.read_text().strip()) > args.rl_steps:
@@ -312,14 +335,14 @@ def main(argv: list[str] | None = None) -> int:
             f"data.train_path={data / 'train.jsonl'}",
             f"data.eval_path={data / 'eval.jsonl'}",
             f"trainer.seed={seed}",
-            f"trainer.max_steps={args.rl_steps}",
+            f"trainer.max_steps={steps}",
             f"rollout.prompts_per_step={args.prompts_per_step}",
             f"optimizer.lr={args.lr}",
             f"checkpoint.save_interval={args.save_every}",
             f"eval.interval={args.eval_interval}",
             f"eval.n={min(args.n, 8)}",
             f"eval.num_prompts={min(args.eval_prompts, 8)}",
-            *(["checkpoint.keep_last=0"] if args.keep_all or f"{method}/s{seed}" in curve else []),
+            *(["checkpoint.keep_last=0"] if args.keep_all or in_curve else []),
             *COMMON,
             *METHODS[method],
         ]

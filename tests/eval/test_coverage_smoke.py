@@ -22,6 +22,7 @@ def test_coverage_experiment_smoke(tmp_path) -> None:
     spec.loader.exec_module(module)
     out = tmp_path / "cov"
     argv = ["--smoke", "--out", str(out), "--methods", "grpo", "reco", "--curve", "grpo/s1"]
+    argv += ["--curve-steps", "3", "--save-every", "1"]  # the curve run goes one step further
     assert module.main(argv) == 0
     entries = json.loads((out / "eval" / "passk.json").read_text())["checkpoints"]
     assert [e["label"] for e in entries] == ["base", "grpo/s1", "reco/s1"]
@@ -31,22 +32,31 @@ def test_coverage_experiment_smoke(tmp_path) -> None:
         assert all(0 <= p["extra"]["distinct_correct"] <= p["correct"] for p in e["problems"])
     report = (out / "coverage.md").read_text()
     assert "| grpo | 1 |" in report and "| reco - grpo |" in report
-    assert "## Budget search" in report and "| 2 |" in report  # the curve: steps 0 and 2
+    assert "## Budget search" in report
+    assert [
+        line.split(" |")[0] for line in report.splitlines() if line[:3] in ("| 1", "| 2", "| 3")
+    ] == ["| 1", "| 2", "| 3"]  # the curve: every saved step of grpo/s1, also past --rl-steps
     for png in ("coverage.png", "coverage_budget.png"):
         assert png in report and (out / png).stat().st_size > 1000
     # Resumable: a second invocation finds every stage done and redoes none of them.
     parts = sorted((out / "eval" / "parts").glob("*/*/passk.json"))
     names = [p.parent.name for p in parts]
-    assert names == ["base-step_00000000", "grpo-s1-step_00000002", "reco-s1-step_00000002"]
+    assert names == [
+        "base-step_00000000",
+        "grpo-s1-step_00000001",
+        "grpo-s1-step_00000002",
+        "grpo-s1-step_00000003",
+        "reco-s1-step_00000002",
+    ]
     stamps = {p: p.stat().st_mtime_ns for p in parts}
     ckpt_stamps = {p: p.stat().st_mtime_ns for p in out.glob("*/**/checkpoints/latest")}
     assert len(ckpt_stamps) == 3
     assert module.main(argv) == 0
     assert {p: p.stat().st_mtime_ns for p in parts} == stamps
     assert {p: p.stat().st_mtime_ns for p in out.glob("*/**/checkpoints/latest")} == ckpt_stamps
-    for run in ("grpo-s1", "reco-s1"):
+    for run, steps in (("grpo-s1", [0, 1, 2, 3]), ("reco-s1", [0, 1, 2])):
         rows = [json.loads(x) for x in (out / "runs" / run / "eval.jsonl").read_text().splitlines()]
-        assert [r["step"] for r in rows] == [0, 1, 2]
+        assert [r["step"] for r in rows] == steps
         assert "pass@2" in rows[0] and "unique_frac" in rows[0]
         assert (out / "runs" / run / "coverage_curve.png").exists()
 
