@@ -151,41 +151,53 @@ def budget_table(curve: Sequence[tuple[int, Mapping[str, Any]]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot_passk_curves(
-    path: Path, groups: Mapping[str, list[Scores]], methods: Sequence[str], title: str
-) -> Path:
-    """pass@k for k = 1..n (log2 axis): mean over seeds and problems, 95 % band."""
+def passk_curves(
+    groups: Mapping[str, list[Scores]], methods: Sequence[str], n_boot: int = 400
+) -> dict[str, dict[str, list[float]]]:
+    """pass@k for every k = 1..n per checkpoint group: ``{"k": [...], name: {"mean": [...],
+    "low": [...], "high": [...]}}`` (percent; 95 % seed-and-problem bootstrap at every k)."""
+    n = int(groups["base"][0].n.min())
+    ks = list(range(1, n + 1))
+    out: dict[str, Any] = {"k": ks}
+    for name in ["base", *methods]:
+        rows = [values(groups[name], f"pass@{k}") for k in ks]
+        bands = np.array([seed_problem_bootstrap(x, n_boot=n_boot) for x in rows])
+        out[name] = {
+            "mean": [round(100.0 * float(x.mean()), 3) for x in rows],
+            "low": [round(100.0 * float(v), 3) for v in bands[:, 0]],
+            "high": [round(100.0 * float(v), 3) for v in bands[:, 1]],
+        }
+    return out
+
+
+def plot_passk_curves(path: Path, curves: Mapping[str, Any], title: str) -> Path:
+    """pass@k against k = 1..n (log2 axis) from :func:`passk_curves`, with the 95 % bands;
+    the right panel repeats the large-k end on its own scale."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    n = int(groups["base"][0].n.min())
-    ks = np.unique(np.round(np.geomspace(1, n, 22)).astype(int))
-    fig, (ax, inset) = plt.subplots(1, 2, figsize=(11, 4.2), width_ratios=(3, 2))
-    for name in ["base", *methods]:
-        runs = groups[name]
-        mean = [100.0 * values(runs, f"pass@{k}").mean() for k in ks]
-        band = np.array([seed_problem_bootstrap(values(runs, f"pass@{k}"), n_boot=600) for k in ks])
+    ks = np.array(curves["k"])
+    n = int(ks[-1])
+    large = ks >= n // 8
+    fig, (ax, zoom) = plt.subplots(1, 2, figsize=(11, 4.2), width_ratios=(3, 2))
+    for name, curve in curves.items():
+        if name == "k":
+            continue
+        mean, low, high = (np.array(curve[key]) for key in ("mean", "low", "high"))
         style = {"linestyle": "--", "color": "black"} if name == "base" else {}
         (line,) = ax.plot(ks, mean, label=name, **style)
-        ax.fill_between(ks, 100 * band[:, 0], 100 * band[:, 1], color=line.get_color(), alpha=0.12)
-        large = ks >= n // 8
-        inset.plot(ks[large], np.array(mean)[large], marker="o", markersize=3, **style)
-        inset.fill_between(
-            ks[large],
-            100 * band[large, 0],
-            100 * band[large, 1],
-            color=line.get_color(),
-            alpha=0.12,
-        )
-    for axis in (ax, inset):
+        ax.fill_between(ks, low, high, color=line.get_color(), alpha=0.12)
+        zoom.plot(ks[large], mean[large], color=line.get_color(), **style)
+        zoom.fill_between(ks[large], low[large], high[large], color=line.get_color(), alpha=0.12)
+    for axis in (ax, zoom):
         axis.set_xscale("log", base=2)
         axis.set_xlabel("k (samples)")
         axis.grid(True, alpha=0.3)
     ax.set_ylabel("pass@k (%)")
     ax.set_title(title)
-    inset.set_title(f"large k (k >= {n // 8}), same data")
+    zoom.set_title(f"large k (k >= {n // 8}), same data")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -126,8 +126,11 @@ def write_results(
     discussion = old[old.index("## Discussion") :] if "## Discussion" in old else ""
     groups = analysis.group(entries)
     methods = [m for m in args.methods if m in groups]
+    curves_k = analysis.passk_curves(groups, methods)
+    curves_json = path.with_name(f"{path.stem}_passk_curves.json")
+    curves_json.write_text(json.dumps(curves_k) + "\n", encoding="utf-8")
     png = analysis.plot_passk_curves(
-        path.with_suffix(".png"), groups, methods, "countdown, held-out: pass@k"
+        path.with_suffix(".png"), curves_k, "countdown, held-out: pass@k (95 % bands)"
     )
     command = " ".join(_shown(a) for a in sys.argv[1:])
     seeds = ", ".join(str(s) for s in args.seeds)
@@ -193,8 +196,8 @@ def write_results(
         ),
         "`distinct correct`: distinct correct solutions per problem among the n samples (answers",
         "equal up to commutativity and associativity count once); `unique %`: distinct responses",
-        f"/ n. Raw per-problem counts: `{_shown(args.out)}/eval/passk.json` (a copy:",
-        f"`{path.stem}_passk.json`).",
+        f"/ n. pass@k at every k with its interval: `{curves_json.name}`. Raw per-problem counts:",
+        f"`{_shown(args.out)}/eval/passk.json` (a copy: `{path.stem}_passk.json`).",
         "",
     ]
     if discussion:

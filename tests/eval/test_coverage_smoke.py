@@ -38,6 +38,8 @@ def test_coverage_experiment_smoke(tmp_path) -> None:
     ] == ["| 1", "| 2", "| 3"]  # the curve: every saved step of grpo/s1, also past --rl-steps
     for png in ("coverage.png", "coverage_budget.png"):
         assert png in report and (out / png).stat().st_size > 1000
+    curves = json.loads((out / "coverage_passk_curves.json").read_text())
+    assert curves["k"] == [1, 2, 3, 4] and set(curves) == {"k", "base", "grpo", "reco"}
     # Resumable: a second invocation finds every stage done and redoes none of them.
     parts = sorted((out / "eval" / "parts").glob("*/*/passk.json"))
     names = [p.parent.name for p in parts]
@@ -95,6 +97,14 @@ def test_coverage_report_statistics_from_counts() -> None:
     diff = analysis.difference_table(groups, ["grpo", "reco"], ["grpo"])
     # reco - grpo in distinct correct: +1 on every problem and seed, a zero-width interval.
     assert "+1.00 [+1.00, +1.00]*" in diff
+    curves = analysis.passk_curves(groups, ["grpo", "reco"], n_boot=50)
+    assert curves["k"] == [1, 2, 3, 4]
+    assert curves["reco"]["mean"][-1] == 100.0 and curves["base"]["mean"][-1] == 75.0
+    assert curves["base"]["mean"][0] == 100.0 * (0 + 0.25 + 1 + 0.5) / 4
+    grpo = curves["grpo"]
+    assert all(
+        lo <= m <= hi for lo, m, hi in zip(grpo["low"], grpo["mean"], grpo["high"], strict=True)
+    )
     # Training table: first/last-window means per run, then over runs; a metric that one run
     # did not log is averaged over the others and says so; null (NaN) rows are left out.
     run_a = [{"step": t, "reward_mean": float(t), "weight_active": None} for t in range(40)]
