@@ -136,17 +136,24 @@ def difference_table(
 
 
 def budget_table(curve: Sequence[tuple[int, Mapping[str, Any]]]) -> str:
-    """Markdown: the budget search, one row per evaluated step (step 0 = the base)."""
-    n = int(Scores(curve[0][1]).n.min())
+    """Markdown: the budget search, one row per evaluated step (step 0 = the base), with the
+    paired difference of pass@64 to the base and its 95 % interval over problems (one seed: the
+    interval says which problems we held out, not which run we trained; ``*``: excludes 0)."""
+    base = Scores(curve[0][1])
+    n = int(base.n.min())
+    k = min(64, n)
     columns = [c for c in table_columns(n) if c[0] != "unique_frac"]
     lines = [
-        "| RL step | " + " | ".join(c[1] for c in columns) + " | solved % |",
+        "| RL step | " + " | ".join(c[1] for c in columns) + f" | pass@{k} - base |",
         "|---" * (len(columns) + 2) + "|",
     ]
     for step, entry in curve:
         scores = Scores(entry)
         cells = [f"{s * scores.metric(m).mean():.{d}f}" for m, _, s, d in columns]
-        cells.append(f"{100.0 * np.mean(scores.c > 0):.1f}")
+        d = scores.metric(f"pass@{k}") - base.metric(f"pass@{k}")
+        lo, hi = seed_problem_bootstrap(d[None, :])
+        star = "*" if lo > 0 or hi < 0 else ""
+        cells.append(f"{100 * d.mean():+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]{star}")
         lines.append(f"| {step} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
