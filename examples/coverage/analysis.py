@@ -196,7 +196,7 @@ def plot_passk_curves(path: Path, curves: Mapping[str, Any], title: str) -> Path
         style = {"linestyle": "--", "color": "black"} if name == "base" else {}
         (line,) = ax.plot(ks, mean, label=name, **style)
         ax.fill_between(ks, low, high, color=line.get_color(), alpha=0.12)
-        zoom.plot(ks[large], mean[large], color=line.get_color(), **style)
+        zoom.plot(ks[large], mean[large], **{"color": line.get_color(), **style})
         zoom.fill_between(ks[large], low[large], high[large], color=line.get_color(), alpha=0.12)
     for axis in (ax, zoom):
         axis.set_xscale("log", base=2)

@@ -63,7 +63,7 @@ def test_coverage_experiment_smoke(tmp_path) -> None:
         assert (out / "runs" / run / "coverage_curve.png").exists()
 
 
-def test_coverage_report_statistics_from_counts() -> None:
+def test_coverage_report_statistics_from_counts(tmp_path) -> None:
     """pass@k, intervals and paired differences from hand-made per-problem counts."""
     spec = importlib.util.spec_from_file_location(
         "coverage_analysis", ROOT / "examples/coverage/analysis.py"
@@ -101,6 +101,11 @@ def test_coverage_report_statistics_from_counts() -> None:
     assert curves["k"] == [1, 2, 3, 4]
     assert curves["reco"]["mean"][-1] == 100.0 and curves["base"]["mean"][-1] == 75.0
     assert curves["base"]["mean"][0] == 100.0 * (0 + 0.25 + 1 + 0.5) / 4
+    png = analysis.plot_passk_curves(tmp_path / "c.png", curves, "t")
+    assert png.stat().st_size > 1000
+    budget = [(0, entries[0]), (10, entries[1])]
+    assert analysis.plot_budget(tmp_path / "b.png", {"grpo/s1": budget}).stat().st_size > 1000
+    assert "| 10 |" in analysis.budget_table(budget)
     grpo = curves["grpo"]
     assert all(
         lo <= m <= hi for lo, m, hi in zip(grpo["low"], grpo["mean"], grpo["high"], strict=True)
