@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -181,6 +180,13 @@ def main(argv: list[str] | None = None) -> int:
         "--rl-steps and are compared there",
     )
     p.add_argument(
+        "--report-steps",
+        nargs="+",
+        type=int,
+        default=[],
+        help="also compare the methods at these earlier steps (needs --keep-all)",
+    )
+    p.add_argument(
         "--keep-all",
         action="store_true",
         help="keep every saved checkpoint of every run (a shorter budget can be evaluated later)",
@@ -197,6 +203,20 @@ def main(argv: list[str] | None = None) -> int:
             f"and a --save-every that divides --rl-steps (got {args.save_every}), so that the "
             "curve runs keep the step the methods are compared at"
         )
+    budgets = sorted({*args.report_steps, args.rl_steps})
+    early = [b for b in budgets if b < args.rl_steps]
+    bad = [
+        b
+        for b in args.report_steps
+        if not 0 < b <= args.rl_steps or (b in early and b % args.save_every)
+    ]
+    if bad:
+        p.error(
+            f"--report-steps {bad}: each must be a multiple of --save-every ({args.save_every}) "
+            f"between 1 and --rl-steps ({args.rl_steps}), where a checkpoint was saved"
+        )
+    if early and not args.keep_all:
+        p.error(f"--report-steps {early} before --rl-steps needs --keep-all (their checkpoints)")
     curve = set(args.curve)
     unknown = sorted(curve - {f"{m}/s{s}" for m in args.methods for s in args.seeds})
     if unknown:
@@ -287,26 +307,34 @@ def main(argv: list[str] | None = None) -> int:
         return report.read_json(part / "passk.json")
 
     base_step = base / "checkpoints" / (base / "checkpoints" / "latest").read_text().strip()
-    entries = evaluate("base", base_step)
-    for m, s in jobs:
-        step_dir = out / "runs" / f"{m}-s{s}" / "checkpoints" / f"step_{args.rl_steps:08d}"
-        entries += evaluate(f"{m}/s{s}", step_dir)
+    base_entry = {**evaluate("base", base_step)[0], "rl_step": 0}
+    by_budget: dict[int, list[dict]] = {}
+    for budget in budgets:
+        by_budget[budget] = [base_entry]
+        for m, s in jobs:
+            step_dir = out / "runs" / f"{m}-s{s}" / "checkpoints" / f"step_{budget:08d}"
+            by_budget[budget].append({**evaluate(f"{m}/s{s}", step_dir)[0], "rl_step": budget})
     curves: dict[str, list[tuple[int, dict]]] = {}
     for label in sorted(curve):
         method, seed = label.split("/s")
         ckpts = out / "runs" / f"{method}-s{seed}" / "checkpoints"
         steps = sorted(ckpts.glob("step_*"))  # the whole search, also past --rl-steps
-        curves[label] = [(0, entries[0])] + [
-            (_step_of(d.name), evaluate(label, d)[0]) for d in steps
+        curves[label] = [(0, base_entry)] + [
+            (_step_of(d.name), {**evaluate(label, d)[0], "rl_step": _step_of(d.name)})
+            for d in steps
         ]
-    report.write_json(out / "eval" / "passk.json", entries)
+    # One file with every evaluated checkpoint, each once: (label, rl_step) names it.
+    raw = {(e["label"], e["rl_step"]): e for group in by_budget.values() for e in group}
+    raw |= {(e["label"], e["rl_step"]): e for curve_ in curves.values() for _, e in curve_}
+    report.write_json(out / "eval" / "passk.json", list(raw.values()))
 
     timings_file.write_text(json.dumps(timings))
     default = out / "coverage.md" if args.smoke else ROOT / "docs" / "results" / "coverage.md"
     results = args.results or default
     command = " ".join(_shown(a) for a in sys.argv[1:])
-    write_results(results, args, entries, curves, timings, command, _shown(args.out))
-    shutil.copyfile(out / "eval" / "passk.json", results.with_name(f"{results.stem}_passk.json"))
+    write_results(results, args, by_budget, curves, timings, command, _shown(args.out))
+    copy = results.with_name(f"{results.stem}_passk.json")  # compact: it is committed
+    copy.write_text(json.dumps({"checkpoints": list(raw.values())}) + "\n", encoding="utf-8")
     sys.stdout.write(f"wrote {results}\n")
     return 0
 

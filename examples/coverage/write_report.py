@@ -15,7 +15,7 @@ import analysis
 def write_results(
     path: Path,
     args: argparse.Namespace,
-    entries: list[dict],
+    by_budget: dict[int, list[dict]],
     curves: dict[str, list[tuple[int, dict]]],
     timings: dict[str, float],
     command: str,
@@ -29,7 +29,7 @@ def write_results(
     as the report names it."""
     old = path.read_text(encoding="utf-8") if path.exists() else ""
     discussion = old[old.index("## Discussion") :] if "## Discussion" in old else ""
-    groups = analysis.group(entries)
+    groups = analysis.group(by_budget[args.rl_steps])
     methods = [m for m in args.methods if m in groups]
     curves_k = analysis.passk_curves(groups, methods)
     curves_json = path.with_name(f"{path.stem}_passk_curves.json")
@@ -76,16 +76,21 @@ def write_results(
             lines += [analysis.budget_table(curve), ""]
         lines += [f"![budget]({budget_png.name})", ""]
     references = ["base", "grpo"] if "grpo" in groups else ["base"]
+    for budget in sorted(by_budget, reverse=True):
+        at = analysis.group(by_budget[budget])
+        lines += [
+            f"## Results after {budget} RL steps",
+            "",
+            analysis.results_table(at, methods),
+            *([f"![pass@k]({png.name})", ""] if budget == args.rl_steps else []),
+            "Paired differences (same seeds, same problems):",
+            "",
+            analysis.difference_table(at, methods, references),
+        ]
     lines += [
-        f"## Results after {args.rl_steps} RL steps",
+        f"## Training metrics ({args.rl_steps} steps)",
         "",
-        analysis.results_table(groups, methods),
-        f"![pass@k]({png.name})",
-        "",
-        "Paired differences (same seeds, same problems):",
-        "",
-        analysis.difference_table(groups, methods, references),
-        "Training (rollout groups; mean of the first -> last 20 steps, then over seeds):",
+        "On the rollout groups; per run the mean of the first -> last 20 steps, then over seeds:",
         "",
         analysis.training_table(
             {
@@ -101,7 +106,8 @@ def write_results(
         "`distinct correct`: distinct correct solutions per problem among the n samples (answers",
         "equal up to commutativity and associativity count once); `unique %`: distinct responses",
         f"/ n. pass@k at every k with its interval: `{curves_json.name}`. Raw per-problem counts:",
-        f"`{shown_out}/eval/passk.json` (a copy: `{path.stem}_passk.json`).",
+        f"`{shown_out}/eval/passk.json` (a copy: `{path.stem}_passk.json`; every evaluated",
+        "checkpoint once, named by `label` and `rl_step`).",
         "",
     ]
     if discussion:

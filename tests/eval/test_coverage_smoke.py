@@ -23,15 +23,20 @@ def test_coverage_experiment_smoke(tmp_path) -> None:
     out = tmp_path / "cov"
     argv = ["--smoke", "--out", str(out), "--methods", "grpo", "reco", "--curve", "grpo/s1"]
     argv += ["--curve-steps", "3", "--save-every", "1"]  # the curve run goes one step further
+    argv += ["--report-steps", "1", "--keep-all"]  # and the methods are compared at 1 and 2
     assert module.main(argv) == 0
-    entries = json.loads((out / "eval" / "passk.json").read_text())["checkpoints"]
-    assert [e["label"] for e in entries] == ["base", "grpo/s1", "reco/s1"]
+    raw = json.loads((out / "eval" / "passk.json").read_text())["checkpoints"]
+    assert sorted((e["label"], e["rl_step"]) for e in raw) == [
+        ("base", 0), ("grpo/s1", 1), ("grpo/s1", 2), ("grpo/s1", 3), ("reco/s1", 1), ("reco/s1", 2)
+    ]  # fmt: skip
+    entries = [e for e in raw if e["rl_step"] in (0, 2)]
     keys = {"pass@1", "pass@4", "rare_correct_frac", "distinct_correct"}
     assert all(set(e["summary"]) >= keys for e in entries)
     for e in entries:  # distinct correct solutions never exceed the correct samples
         assert all(0 <= p["extra"]["distinct_correct"] <= p["correct"] for p in e["problems"])
     report = (out / "coverage.md").read_text()
     assert "| grpo | 1 |" in report and "| reco - grpo |" in report
+    assert report.index("## Results after 2 RL steps") < report.index("## Results after 1 RL")
     assert "## Budget search" in report
     assert [
         line.split(" |")[0] for line in report.splitlines() if line[:3] in ("| 1", "| 2", "| 3")
@@ -48,11 +53,14 @@ def test_coverage_experiment_smoke(tmp_path) -> None:
         "grpo-s1-step_00000001",
         "grpo-s1-step_00000002",
         "grpo-s1-step_00000003",
+        "reco-s1-step_00000001",
         "reco-s1-step_00000002",
     ]
     stamps = {p: p.stat().st_mtime_ns for p in parts}
     ckpt_stamps = {p: p.stat().st_mtime_ns for p in out.glob("*/**/checkpoints/latest")}
     assert len(ckpt_stamps) == 3
+    copy = json.loads((out / "coverage_passk.json").read_text())["checkpoints"]
+    assert len(copy) == len(raw)
     assert module.main(argv) == 0
     assert {p: p.stat().st_mtime_ns for p in parts} == stamps
     assert {p: p.stat().st_mtime_ns for p in out.glob("*/**/checkpoints/latest")} == ckpt_stamps
