@@ -27,6 +27,7 @@ class Scores:
     solutions, ``unique`` share of distinct responses; arrays of shape ``[P]`` in problem order."""
 
     def __init__(self, entry: Mapping[str, Any]) -> None:
+        self.label = str(entry["label"])
         problems = sorted(entry["problems"], key=lambda p: p["id"])
         self.ids = [p["id"] for p in problems]
         self.n = np.array([p["n"] for p in problems])
@@ -297,4 +298,59 @@ def training_table(
             note = f" ({len(pairs)} of {len(seeds)} runs)" if len(pairs) < len(seeds) else ""
             cells.append(f"{scale * a:.{digits}f} -> {scale * b:.{digits}f}{note}")
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def diverged_seeds(groups: Mapping[str, list[Scores]], methods: Sequence[str]) -> list[int]:
+    """Seed indices (positions in each method's run list) where some method's run solves no
+    held-out problem at all (pass@n = 0 while the base solves most): a training failure, not a
+    coverage result."""
+    n = int(groups["base"][0].n.min())
+    return sorted(
+        {
+            i
+            for m in methods
+            for i, run in enumerate(groups[m])
+            if run.metric(f"pass@{n}").mean() == 0.0
+        }
+    )
+
+
+def without_seeds(
+    groups: Mapping[str, list[Scores]], methods: Sequence[str], drop: Sequence[int]
+) -> dict[str, list[Scores]]:
+    """``groups`` with the seed positions ``drop`` left out of every method (the base kept),
+    so the comparison stays paired."""
+    out = {"base": list(groups["base"])}
+    for m in methods:
+        out[m] = [run for i, run in enumerate(groups[m]) if i not in drop]
+    return out
+
+
+def seed_test_table(
+    groups: Mapping[str, list[Scores]], methods: Sequence[str], reference: str = "grpo"
+) -> str:
+    """Markdown: per-seed paired differences ``method - reference`` of pass@64 and distinct
+    correct (each seed's mean over problems), how many seeds are positive, and the exact
+    two-sided sign-flip p over seeds: the test that treats a training run, not a problem, as
+    the unit (with s seeds the smallest possible p is 2 / 2^s)."""
+    from reco_megatron.eval.stats import sign_flip_p
+
+    n = int(groups["base"][0].n.min())
+    k = min(64, n)
+    lines = [
+        f"| method | Δ pass@{k} % per seed | wins | p | Δ distinct correct per seed | wins | p |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for m in methods:
+        if m == reference:
+            continue
+        cells = []
+        for metric, scale, digits in ((f"pass@{k}", 100.0, 1), ("distinct_correct", 1.0, 2)):
+            d = values(groups[m], metric).mean(axis=1) - values(groups[reference], metric).mean(
+                axis=1
+            )
+            shown = ", ".join(f"{scale * x:+.{digits}f}" for x in d)
+            cells += [shown, f"{int((d > 0).sum())}/{len(d)}", f"{sign_flip_p(d):.2g}"]
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     base_step = base / "checkpoints" / (base / "checkpoints" / "latest").read_text().strip()
     base_entry = {**evaluate("base", base_step)[0], "rl_step": 0}
     by_budget: dict[int, list[dict]] = {}
-    for budget in budgets:
+    for budget in reversed(budgets):  # the compared budget first
         by_budget[budget] = [base_entry]
         for m, s in jobs:
             step_dir = out / "runs" / f"{m}-s{s}" / "checkpoints" / f"step_{budget:08d}"

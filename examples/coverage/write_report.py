@@ -87,6 +87,24 @@ def write_results(
             "",
             analysis.difference_table(at, methods, references),
         ]
+        if "grpo" in at and len(at["grpo"]) > 1:
+            lines += [
+                "Per seed (a training run is the unit; sign-flip test over seeds):",
+                "",
+                analysis.seed_test_table(at, methods),
+            ]
+        failed = analysis.diverged_seeds(at, methods)
+        if failed and len(failed) < len(at[methods[0]]):
+            kept = analysis.without_seeds(at, methods, failed)
+            names = ", ".join(at[methods[0]][i].label.split("/")[-1] for i in failed)
+            lines += [
+                f"Without seed(s) {names}, where a run diverged (solves no held-out problem at "
+                "all); post hoc, left out for every method so the comparison stays paired:",
+                "",
+                analysis.results_table(kept, methods),
+                analysis.difference_table(kept, methods, ["grpo"] if "grpo" in kept else []),
+                analysis.seed_test_table(kept, methods) if "grpo" in kept else "",
+            ]
     lines += [
         f"## Training metrics ({args.rl_steps} steps)",
         "",

@@ -125,6 +125,16 @@ def test_coverage_report_statistics_from_counts(tmp_path) -> None:
     row = analysis.training_table({"reco": [run_a, run_b]}).splitlines()[2]
     assert row.startswith("| reco | 5.250 -> 15.250 |")  # (9.5 + 1) / 2 and (29.5 + 1) / 2
     assert row.endswith("| 0.500 -> 0.500 (1 of 2 runs) |")
+    # A run that solves nothing is a training failure: its seed can be left out for everyone.
+    assert analysis.diverged_seeds(groups, ["grpo", "reco"]) == []
+    broken = [dict(e) for e in entries]
+    broken[4] = entry("reco/s2", [0, 0, 0, 0], [0, 0, 0, 0])
+    bgroups = analysis.group(broken)
+    assert analysis.diverged_seeds(bgroups, ["grpo", "reco"]) == [1]
+    kept = analysis.without_seeds(bgroups, ["grpo", "reco"], [1])
+    assert [r.label for r in kept["grpo"]] == ["grpo/s1"] and len(kept["reco"]) == 1
+    tests = analysis.seed_test_table(groups, ["grpo", "reco"])
+    assert "| reco | +25.0, +25.0 | 2/2 | 0.5 | +1.00, +1.00 | 2/2 | 0.5 |" in tests
     entries[3]["problems"] = entries[3]["problems"][:3]
     with pytest.raises(ValueError, match="other problems"):
         analysis.group(entries)
