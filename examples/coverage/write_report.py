@@ -27,6 +27,7 @@ def write_results(
 
     ``command``: the arguments of the run as the report shows them; ``shown_out``: ``--out``
     as the report names it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     old = path.read_text(encoding="utf-8") if path.exists() else ""
     discussion = old[old.index("## Discussion") :] if "## Discussion" in old else ""
     groups = analysis.group(by_budget[args.rl_steps])
@@ -65,7 +66,8 @@ def write_results(
         "- Intervals: 95 % percentile bootstrap resampling the seeds (training runs) and, "
         "jointly, the held-out problems; `*` marks a paired difference whose interval "
         "excludes 0.",
-        "- Wall time: " + ", ".join(f"{k} {v / 60:.1f} min" for k, v in timings.items()) + ".",
+        "- Time, summed per process (2 shared cores, up to 4 processes at once: a rough guide): "
+        + analysis.time_summary(args.out.resolve(), by_budget, curves, timings.get("SFT")),
         "",
     ]
     if curves:
@@ -130,5 +132,4 @@ def write_results(
     ]
     if discussion:
         lines.append(discussion.rstrip() + "\n")
-    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines), encoding="utf-8")
