@@ -225,16 +225,15 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out.resolve()
     (out / "logs").mkdir(parents=True, exist_ok=True)
     _check_same_task(out / "task.json", task, args.sft_steps)
-    timings_file = out / "timings.json"
-    timings: dict[str, float] = (
-        json.loads(timings_file.read_text()) if timings_file.exists() else {}
-    )
+    sft_time = out / "sft_seconds.json"  # the report's RL and evaluation times come from
+    # the runs' own logs (analysis.time_summary): a stopwatch around overlapping or
+    # interrupted invocations would be wrong
     threads = max(1, (os.cpu_count() or 1) // args.jobs)
 
     base = out / "base"
     if not (base / "checkpoints" / "latest").exists():
         cmd = _train_cmd(base, ["trainer.max_steps=0", f"sft.steps={args.sft_steps}", *task])
-        timings["SFT"] = _run(cmd, out / "logs" / "base.log", threads * args.jobs)
+        sft_time.write_text(json.dumps(_run(cmd, out / "logs" / "base.log", threads * args.jobs)))
     data = base / "data"
     held_out = sum(1 for line in (data / "eval.jsonl").open() if line.strip())
     if held_out < args.eval_prompts:
@@ -278,12 +277,8 @@ def main(argv: list[str] | None = None) -> int:
         return _run(_train_cmd(run_dir, overrides), out / "logs" / f"{method}-s{seed}.log", threads)
 
     jobs = [(m, s) for s in args.seeds for m in args.methods]
-    start = time.perf_counter()
     with ThreadPoolExecutor(args.jobs) as pool:
-        ran = list(pool.map(rl, jobs))
-    if any(t > 0 for t in ran):
-        timings["RL"] = timings.get("RL", 0.0) + time.perf_counter() - start
-        timings_file.write_text(json.dumps(timings))
+        list(pool.map(rl, jobs))
 
     protocol = f"n{args.n}-k{args.kmax}-p{args.eval_prompts}-t{args.temperature}-tp{args.top_p}"
 
@@ -301,9 +296,7 @@ def main(argv: list[str] | None = None) -> int:
                 "--max-new-tokens", "24", "--out", str(part), "--no-progress",
             ]  # fmt: skip
             log = out / "logs" / f"eval-{label.replace('/', '-')}-{step_dir.name}.log"
-            took = _run(eval_cmd, log, threads * args.jobs)
-            timings["evaluation"] = timings.get("evaluation", 0.0) + took
-            timings_file.write_text(json.dumps(timings))
+            _run(eval_cmd, log, threads * args.jobs)
         return report.read_json(part / "passk.json")
 
     base_step = base / "checkpoints" / (base / "checkpoints" / "latest").read_text().strip()
@@ -328,11 +321,11 @@ def main(argv: list[str] | None = None) -> int:
     raw |= {(e["label"], e["rl_step"]): e for curve_ in curves.values() for _, e in curve_}
     report.write_json(out / "eval" / "passk.json", list(raw.values()))
 
-    timings_file.write_text(json.dumps(timings))
     default = out / "coverage.md" if args.smoke else ROOT / "docs" / "results" / "coverage.md"
     results = args.results or default
     command = " ".join(_shown(a) for a in sys.argv[1:])
-    write_results(results, args, by_budget, curves, timings, command, _shown(args.out))
+    sft_s = json.loads(sft_time.read_text()) if sft_time.exists() else None
+    write_results(results, args, by_budget, curves, sft_s, command, _shown(args.out))
     copy = results.with_name(f"{results.stem}_passk.json")  # compact: it is committed
     copy.write_text(json.dumps({"checkpoints": list(raw.values())}) + "\n", encoding="utf-8")
     sys.stdout.write(f"wrote {results}\n")

@@ -17,7 +17,7 @@ def write_results(
     args: argparse.Namespace,
     by_budget: dict[int, list[dict]],
     curves: dict[str, list[tuple[int, dict]]],
-    timings: dict[str, float],
+    sft_s: float | None,
     command: str,
     shown_out: str,
 ) -> None:
@@ -67,7 +67,7 @@ def write_results(
         "jointly, the held-out problems; `*` marks a paired difference whose interval "
         "excludes 0.",
         "- Time, summed per process (2 shared cores, up to 4 processes at once: a rough guide): "
-        + analysis.time_summary(args.out.resolve(), by_budget, curves, timings.get("SFT")),
+        + analysis.time_summary(args.out.resolve(), by_budget, curves, sft_s),
         "",
     ]
     if curves:

@@ -23,7 +23,7 @@ from reco_megatron.eval.checkpoints import EngineName, as_hf_dir, build_engine, 
 from reco_megatron.eval.metrics import check_kmax, coverage_summary, ks_up_to
 from reco_megatron.eval.runner import EvalProblem, evaluate_problems
 from reco_megatron.rewards.pool import RewardPool, RewardPoolConfig
-from reco_megatron.rewards.registry import BUILTIN_ANSWER_KEYS, resolve_reward
+from reco_megatron.rewards.registry import answer_key_spec, resolve_answer_key
 from reco_megatron.rollout.base import SamplingParams
 from reco_megatron.utils.logging import get_logger
 
@@ -106,9 +106,7 @@ class EvalSettings:
 
     def answer_key_spec(self) -> str:
         """The answer key in use: the given spec, the reward's built-in, or ``""`` (none)."""
-        if self.answer_key == "none":
-            return ""
-        return self.answer_key or BUILTIN_ANSWER_KEYS.get(self.reward, "")
+        return answer_key_spec(self.reward, self.answer_key)
 
 
 def load_tokenizer(spec: str | Path) -> Tokenizer:
@@ -179,8 +177,7 @@ def run_evaluation(settings: EvalSettings) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     for _, path in settings.checkpoints:  # fail fast, before any export or sampling
         checkpoint_kind(path)
-    key_spec = settings.answer_key_spec()
-    answer_key = resolve_reward(key_spec, BUILTIN_ANSWER_KEYS, "answer key") if key_spec else None
+    answer_key = resolve_answer_key(settings.answer_key_spec())
     hf_dirs = [(label, as_hf_dir(path, out / "exported")) for label, path in settings.checkpoints]
     tok_spec = settings.tokenizer or str(hf_dirs[0][1])
     tokenizer = load_tokenizer(tok_spec)

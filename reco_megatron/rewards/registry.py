@@ -87,6 +87,20 @@ def resolve_reward(
     return obj  # type: ignore[return-value]
 
 
+def answer_key_spec(reward: str, spec: str = "") -> str:
+    """The answer key a run uses: ``spec`` when given (``"none"`` switches it off, giving
+    ``""``), else the built-in key of ``reward`` if it has one, else ``""``."""
+    if spec == "none":
+        return ""
+    return spec or BUILTIN_ANSWER_KEYS.get(reward, "")
+
+
+def resolve_answer_key(spec: str) -> Callable[[str, str], object] | None:
+    """The answer-key callable named by ``spec`` (as from :func:`answer_key_spec`; ``""``:
+    None), validated like a reward spec."""
+    return resolve_reward(spec, BUILTIN_ANSWER_KEYS, "answer key") if spec else None
+
+
 def coerce_result(value: object) -> RewardResult:
     """Turn a reward function's return value into a :class:`RewardResult`.
 

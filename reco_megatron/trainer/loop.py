@@ -335,7 +335,7 @@ class Trainer:
     def _coverage_evaluator(self) -> Any:
         """The periodic pass@k evaluator on global rank 0 (None when off or elsewhere)."""
         from reco_megatron.eval.during_training import CoverageEvaluator, held_out_path
-        from reco_megatron.rewards.registry import BUILTIN_ANSWER_KEYS, resolve_reward
+        from reco_megatron.rewards.registry import answer_key_spec, resolve_answer_key
 
         cfg = self.cfg
         if not cfg.eval.interval:
@@ -355,11 +355,7 @@ class Trainer:
             self.formatter,
             max_new_tokens=cfg.rollout.max_new_tokens,
             max_prompt_len=cfg.rollout.max_prompt_len,
-            answer_key=(
-                resolve_reward(cfg.reward.reward, BUILTIN_ANSWER_KEYS, "answer key")
-                if cfg.reward.reward in BUILTIN_ANSWER_KEYS
-                else None
-            ),
+            answer_key=resolve_answer_key(answer_key_spec(cfg.reward.reward)),
         )
 
     def _evaluate_coverage(self) -> None:
