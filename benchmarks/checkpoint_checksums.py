@@ -74,8 +74,7 @@ def file_part(directory: Path, gigabytes: float) -> dict:
 
 def _save_part(rank, world_size, root, hidden, layers):
     from reco_megatron.algo import LossConfig
-    from reco_megatron.megatron import checkpoint_integrity as integrity
-    from reco_megatron.megatron.checkpoint import save_checkpoint, verify_checkpoint
+    from reco_megatron.megatron.checkpoint import integrity, save_checkpoint, verify_checkpoint
     from reco_megatron.megatron.distributed import ParallelConfig, initialize_parallel
     from reco_megatron.megatron.engine import ReCoEngine, UpdateConfig
     from reco_megatron.megatron.model import ModelConfig

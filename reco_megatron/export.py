@@ -180,7 +180,7 @@ def _write_hf(
     import torch.distributed as dist
 
     from reco_megatron.megatron.checkpoint import CheckpointError
-    from reco_megatron.megatron.checkpoint_compat import load_model_and_optimizer
+    from reco_megatron.megatron.checkpoint.megatron_state import load_model_and_optimizer
     from reco_megatron.megatron.distributed import ParallelConfig, initialize_parallel
     from reco_megatron.megatron.hf.checkpoint import DEFAULT_MAX_SHARD_SIZE, save_hf_checkpoint
     from reco_megatron.megatron.model import ModelConfig, build_model, transformer_config

@@ -11,10 +11,12 @@ the sources (imports inside functions included) finds forbidden imports and impo
 higher layers. ``vllm`` may only be imported inside functions (lazily), and only by rollout.
 No package calls ``eval``/``exec``/``compile`` (model output and config values are data).
 
-Inside ``megatron`` there are three rooms: the engine (``megatron/*.py``), megatron-core's
-compatibility layer (``megatron/compat``: versions and the CPU backend) and Hugging Face weights
-(``megatron/hf``). The CPU backend is enabled only by the engine's start-up path, the weights
-room never imports the engine, and Megatron-Bridge is never loaded at import time. No module
+Inside ``megatron`` there are four rooms: the engine (``megatron/*.py``), megatron-core's
+compatibility layer (``megatron/compat``: versions and the CPU backend), Hugging Face weights
+(``megatron/hf``) and training checkpoints (``megatron/checkpoint``). The CPU backend is
+enabled only by the engine's start-up path, neither the weights room nor the checkpoint room
+imports the engine (the checkpoint code takes an engine object; it never builds one), and
+Megatron-Bridge is never loaded at import time. No module
 of the package takes part in an import cycle (imports inside functions included).
 """
 
@@ -147,11 +149,15 @@ def _all_modules() -> dict[str, Path]:
     return {_module_name(p): p for p in PKG.rglob("*.py")}
 
 
-def test_the_three_rooms_exist() -> None:
+def test_the_four_rooms_exist() -> None:
     assert "reco_megatron.megatron.engine" in ENGINE_MODULES
-    for room in ("compat", "hf"):
+    for room in ("compat", "hf", "checkpoint"):
         assert (MEGATRON / room / "__init__.py").exists(), room
-    assert not [p.name for p in MEGATRON.glob("*.py") if p.stem in ("bridge", "cpu_backend")]
+    assert not [
+        p.name
+        for p in MEGATRON.glob("*.py")
+        if p.stem in ("bridge", "cpu_backend") or p.stem.startswith("checkpoint")
+    ]
 
 
 def test_only_the_startup_path_imports_the_cpu_backend() -> None:
@@ -172,6 +178,33 @@ def test_the_weights_room_never_imports_the_engine() -> None:
         for path in sorted((MEGATRON / "hf").rglob("*.py"))
         for imported, _ in _imports(path)
         if _matches(imported, (*engine, *CPU_BACKEND))
+    ]
+    assert not offenders, offenders
+
+
+def test_the_checkpoint_room_never_imports_the_engine_or_the_weights() -> None:
+    room = ("reco_megatron.megatron.checkpoint",)
+    offenders = [
+        f"{name}: {imported}"
+        for name, path in _all_modules().items()
+        if _matches(name, room)
+        for imported, _ in _imports(path)
+        if _matches(imported, (*ENGINE_MODULES, *CPU_BACKEND, "reco_megatron.megatron.hf"))
+    ]
+    assert not offenders, offenders
+
+
+def test_checkpoint_modules_import_each_other_not_the_package() -> None:
+    """Inside the room, modules import their siblings (``from ...checkpoint.format import``),
+    never the package ``__init__`` that re-exports them all (that would be a cycle)."""
+    offenders = [
+        f"{name}: from reco_megatron.megatron.checkpoint import {alias.name}"
+        for name, path in _all_modules().items()
+        if name.startswith("reco_megatron.megatron.checkpoint.")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom) and node.module == "reco_megatron.megatron.checkpoint"
+        for alias in node.names
+        if f"reco_megatron.megatron.checkpoint.{alias.name}" not in _all_modules()
     ]
     assert not offenders, offenders
 

@@ -28,7 +28,7 @@ from reco_megatron.megatron.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from reco_megatron.megatron.checkpoint_resume import resume_latest
+from reco_megatron.megatron.checkpoint.resume import resume_latest
 from reco_megatron.megatron.device import collective_device
 from reco_megatron.megatron.distributed import initialize_parallel, rank_layout
 from reco_megatron.megatron.engine import ReCoEngine
@@ -371,7 +371,7 @@ class Trainer:
         )
 
     def close(self) -> None:
-        from reco_megatron.megatron.checkpoint_compat import shutdown_async_writer
+        from reco_megatron.megatron.checkpoint.megatron_state import shutdown_async_writer
 
         if self.writer is not None:
             self.writer.close()

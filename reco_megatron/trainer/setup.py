@@ -14,7 +14,7 @@ from reco_megatron.data.countdown import generate, write_splits
 from reco_megatron.data.dataset import PromptDataset
 from reco_megatron.data.tokenizer import Tokenizer
 from reco_megatron.megatron.batch import RolloutBatch
-from reco_megatron.megatron.checkpoint_resume import remove_partial_checkpoints
+from reco_megatron.megatron.checkpoint.resume import remove_partial_checkpoints
 from reco_megatron.trainer.config import TrainConfig
 from reco_megatron.utils.logging import get_logger
 

@@ -14,15 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from reco_megatron.megatron import checkpoint_integrity as integrity
 from reco_megatron.megatron.checkpoint import (
     CheckpointSpaceError,
     DamagedCheckpointError,
+    integrity,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
 )
-from reco_megatron.megatron.checkpoint_resume import remove_partial_checkpoints, resume_latest
+from reco_megatron.megatron.checkpoint.resume import remove_partial_checkpoints, resume_latest
 from reco_megatron.testing import run_distributed
 from tests.megatron import _reco
 from tests.tmpfs import fill, small_tmpfs

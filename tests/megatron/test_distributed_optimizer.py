@@ -76,7 +76,7 @@ def _steps(rank: int, world_size: int, n_steps: int, reference: dict | None) -> 
 
 def _resume(rank: int, world_size: int, ckpt: str, reference: dict) -> dict:
     """Step 0, save, step 1 (uninterrupted); then fresh model + optimizer, load, step 1."""
-    from reco_megatron.megatron.checkpoint_compat import (
+    from reco_megatron.megatron.checkpoint.megatron_state import (
         load_model_and_optimizer,
         save_model_and_optimizer,
     )
@@ -122,7 +122,7 @@ def test_distributed_optimizer_resume_equals_uninterrupted(dp1: dict, tmp_path) 
 
 
 def _save_tp(rank: int, world_size: int, ckpt: str, tp: int) -> dict:
-    from reco_megatron.megatron.checkpoint_compat import save_model_and_optimizer
+    from reco_megatron.megatron.checkpoint.megatron_state import save_model_and_optimizer
 
     _tiny.init_parallel(tp=tp)
     model = _tiny.build_tiny_gpt(_tiny.tiny_config(tp=tp), seed=99)
@@ -131,7 +131,7 @@ def _save_tp(rank: int, world_size: int, ckpt: str, tp: int) -> dict:
 
 
 def _load_tp(rank: int, world_size: int, ckpt: str, tp: int) -> dict:
-    from reco_megatron.megatron.checkpoint_compat import load_model_and_optimizer
+    from reco_megatron.megatron.checkpoint.megatron_state import load_model_and_optimizer
 
     _tiny.init_parallel(tp=tp)
     model = _tiny.build_tiny_gpt(_tiny.tiny_config(tp=tp), seed=5)

@@ -14,34 +14,20 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
-from reco_megatron.megatron import checkpoint_integrity as integrity
-from reco_megatron.megatron.checkpoint import (
+from reco_megatron.megatron.checkpoint import integrity
+from reco_megatron.megatron.checkpoint.collective import barrier, rank
+from reco_megatron.megatron.checkpoint.format import (
     PREFIX,
     DamagedCheckpointError,
+    complete_checkpoints,
     latest_checkpoint,
-    load_checkpoint,
 )
+from reco_megatron.megatron.checkpoint.load import load_checkpoint
 from reco_megatron.utils.logging import get_logger
 
-__all__ = ["complete_checkpoints", "remove_partial_checkpoints", "resume_latest"]
+__all__ = ["remove_partial_checkpoints", "resume_latest"]
 
 logger = get_logger(__name__)
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def complete_checkpoints(root: str | Path) -> list[Path]:
-    """Every ``step_*`` directory under ``root`` that has its ``meta.json``, oldest first."""
-    return sorted(p for p in Path(root).glob(f"{PREFIX}*") if (p / "meta.json").exists())
 
 
 def resume_latest(
@@ -78,10 +64,10 @@ def resume_latest(
             n = 1
             while aside.exists():
                 aside, n = root / f"damaged-{path.name}.{n}", n + 1
-            if _rank() == 0:
+            if rank() == 0:
                 os.replace(path, aside)
                 integrity.write_durable(root / "latest", previous.name + "\n")
-            _barrier()
+            barrier()
             logger.warning(
                 "%s; moved it to %s and falling back to %s (checkpoint.on_damaged=fallback)",
                 exc,

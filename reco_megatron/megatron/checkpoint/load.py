@@ -1,0 +1,124 @@
+"""Loading a checkpoint into an engine: verify every file, check the model and layout match,
+then read model, optimizer, scheduler and RNG states.
+
+Loading verifies every file against ``manifest.json`` first (``integrity``) and refuses a
+damaged checkpoint with :class:`DamagedCheckpointError` naming the file, before any byte is
+deserialised; ``resume.resume_latest`` then names the previous complete checkpoint, and with
+``on_damaged="fallback"`` moves the damaged one aside and resumes from the newest one that
+verifies. Checkpoints written before manifests existed load with a warning.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+
+from reco_megatron.megatron.checkpoint import integrity
+from reco_megatron.megatron.checkpoint.collective import all_gather, barrier, rank, world_size
+from reco_megatron.megatron.checkpoint.format import (
+    CheckpointError,
+    DamagedCheckpointError,
+    read_meta,
+)
+from reco_megatron.megatron.checkpoint.megatron_state import load_model_and_optimizer
+from reco_megatron.megatron.checkpoint.rng import set_rng_state
+from reco_megatron.megatron.checkpoint.save import layout
+from reco_megatron.utils.logging import get_logger
+
+__all__ = ["check_compatible", "load_checkpoint", "verify_checkpoint"]
+
+logger = get_logger(__name__)
+
+
+def check_compatible(meta: dict[str, Any], engine: Any, with_optimizer: bool) -> None:
+    """Refuse a checkpoint whose model (or, for the optimizer, DP size) differs from ours."""
+    saved, current = meta["layout"], layout(engine)
+    diffs = [
+        f"model.{k}: checkpoint {saved['model'].get(k)!r} vs config {v!r}"
+        for k, v in current["model"].items()
+        if k not in ("params_dtype", "init_method_std") and saved["model"].get(k) != v
+    ]
+    if with_optimizer and saved["data_parallel_size"] != current["data_parallel_size"]:
+        diffs.append(
+            f"data-parallel size: checkpoint {saved['data_parallel_size']} vs run "
+            f"{current['data_parallel_size']} (the distributed optimizer state is sharded by DP; "
+            "resume with the same DP size, or load the model weights only)"
+        )
+    if diffs:
+        raise CheckpointError("checkpoint does not match this run:\n  " + "\n  ".join(diffs))
+
+
+def load_checkpoint(
+    path: str | Path, engine: Any, *, load_optimizer: bool = True, load_rng: bool = True
+) -> dict[str, Any]:
+    """Load a checkpoint into ``engine``; returns the saved trainer state (collective).
+
+    Every file is checked against the manifest first (:func:`verify_checkpoint`): a damaged
+    checkpoint raises :class:`DamagedCheckpointError` before anything is loaded.
+    """
+    path = Path(path)
+    verify_checkpoint(path)
+    meta = read_meta(path)
+    check_compatible(meta, engine, with_optimizer=load_optimizer)
+    try:
+        load_model_and_optimizer(
+            str(path / "dist"), engine.unwrapped(), engine.optimizer if load_optimizer else None
+        )
+    # dist_checkpointing raises many types for damaged files; torch's CheckpointException
+    # derives from BaseException.
+    except (Exception, CheckpointException) as exc:
+        raise CheckpointError(
+            f"could not read the weights of {path} ({type(exc).__name__}: {exc}); the "
+            "checkpoint is damaged or was written by another model: use an older one"
+        ) from exc
+    if load_optimizer:
+        engine.scheduler.load_state_dict(meta["scheduler"])
+        engine.optimizer_steps = meta["optimizer_steps"]
+    else:
+        engine.optimizer.reload_model_params()
+    engine.sync_reference()
+    if load_rng:
+        rng_file = path / "rng" / f"rank_{rank():05d}.pt"
+        if not rng_file.exists():
+            raise CheckpointError(
+                f"{rng_file} is missing: the checkpoint was written with another world size "
+                f"({meta['layout']['world_size']} ranks); resume with that many, or pass "
+                "load_rng=False"
+            )
+        set_rng_state(torch.load(rng_file, weights_only=True))
+    barrier()
+    logger.info("loaded checkpoint %s (step %d)", path, meta["step"])
+    return meta["trainer_state"]
+
+
+def verify_checkpoint(path: str | Path) -> bool:
+    """Check every file of a checkpoint against its manifest (collective: each rank checks
+    the files it owns, see ``integrity.owner``). Returns False (with a warning) for
+    a checkpoint written before manifests existed; raises :class:`DamagedCheckpointError`
+    naming each damaged file."""
+    path = Path(path)
+    problems: list[str] = []
+    try:
+        manifest = integrity.read_manifest(path)
+    except ValueError as exc:
+        manifest, problems = None, [str(exc)]
+    if manifest is None and not problems:
+        logger.warning(
+            "%s has no %s (written before checkpoints had checksums): loading it unverified",
+            path,
+            integrity.MANIFEST,
+        )
+        return False
+    if manifest is not None:
+        problems = integrity.verify_owned(path, manifest, rank(), world_size())
+    problems = [p for part in all_gather(problems) for p in part]
+    if problems:
+        more = f" (and {len(problems) - 1} more: {'; '.join(problems[1:4])})"
+        more = more if problems[1:] else ""
+        raise DamagedCheckpointError(
+            f"checkpoint {path} is damaged: {problems[0]}{more}; nothing was loaded from it"
+        )
+    return True

@@ -1,0 +1,179 @@
+"""Crash-safe save of a training checkpoint: model, optimizer, scheduler, RNG, trainer state.
+
+A checkpoint (layout in ``format``) is written to ``.tmp-step_...`` and renamed when every rank
+has finished, then ``latest`` is replaced atomically, then old checkpoints beyond ``keep_last``
+are removed: a crash (or a second preemption signal) at any point leaves the previous
+``latest`` intact. The model part reshards on load (another TP/PP is fine); the distributed
+optimizer state is saved ``dp_reshardable`` and must be loaded at the same data-parallel size.
+
+Every file is listed in ``manifest.json`` with its size and CRC-32 (``integrity``), hashed and
+fsynced by the rank that wrote it before the directory is renamed; the renamed directory and
+``latest`` are fsynced too, so after a power loss ``latest`` never names data that is not on
+disk. A save that runs out of disk space raises :class:`CheckpointSpaceError` (free space,
+needed space, path) and removes its partial ``.tmp-step_*``; so does
+``resume.remove_partial_checkpoints`` at the next start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+
+from reco_megatron.megatron.checkpoint import integrity
+from reco_megatron.megatron.checkpoint.collective import (
+    all_gather,
+    barrier,
+    from_rank0,
+    rank,
+    world_size,
+)
+from reco_megatron.megatron.checkpoint.format import (
+    FORMAT_VERSION,
+    PREFIX,
+    CheckpointError,
+    CheckpointSpaceError,
+    checkpoint_name,
+)
+from reco_megatron.megatron.checkpoint.megatron_state import save_model_and_optimizer, state_bytes
+from reco_megatron.megatron.checkpoint.rng import rng_state
+from reco_megatron.utils.logging import get_logger
+
+__all__ = ["layout", "save_checkpoint"]
+
+logger = get_logger(__name__)
+
+
+def layout(engine: Any) -> dict[str, Any]:
+    """The model config and parallel layout a checkpoint records (``meta.json``)."""
+    from megatron.core import parallel_state as ps
+
+    return {
+        "model": asdict(engine.model_cfg),
+        "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
+        "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
+        "data_parallel_size": ps.get_data_parallel_world_size(),
+        "world_size": world_size(),
+    }
+
+
+def save_checkpoint(
+    root: str | Path, step: int, engine: Any, trainer_state: dict[str, Any], keep_last: int = 3
+) -> Path:
+    """Collective: every rank calls it. Returns the final checkpoint directory.
+
+    Raises :class:`CheckpointSpaceError` on every rank when the disk is full (the partial
+    directory is removed, ``latest`` is untouched) and :class:`CheckpointError` for any other
+    failure to write.
+    """
+    root = Path(root)
+    final = root / checkpoint_name(step)
+    tmp = root / f".tmp-{checkpoint_name(step)}"
+    if rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / "dist").mkdir(parents=True)
+        (tmp / "rng").mkdir()
+    barrier()
+    error: BaseException | None = None
+    try:
+        save_model_and_optimizer(str(tmp / "dist"), engine.unwrapped(), engine.optimizer)
+        torch.save(rng_state(), tmp / "rng" / f"rank_{rank():05d}.pt")
+    # dist_checkpointing raises torch's CheckpointException (a BaseException) on every rank
+    except (Exception, CheckpointException) as exc:
+        error = exc
+    entries: dict[str, Any] = {}
+    # after the attempt: the optimizer's moments exist by now, even when the write failed
+    estimate = state_bytes(engine.unwrapped(), engine.optimizer, _layout_dp(engine))
+    gathered = all_gather((_describe(error), estimate))
+    failures = [f for f, _ in gathered if f is not None]
+    if not failures:  # every rank hashes (and fsyncs) the files it wrote, in parallel
+        try:
+            entries = integrity.hash_owned(tmp, rank(), world_size(), fsync=True)
+        except OSError as exc:
+            error = exc
+        hashed = all_gather((_describe(error), entries))
+        failures = [f for f, _ in hashed if f is not None]
+        entries = {k: v for _, part in hashed for k, v in part.items()}
+    if not failures and rank() == 0:
+        try:
+            _finish_save(root, tmp, final, engine, step, trainer_state, entries, keep_last)
+        except OSError as exc:
+            failures = [_describe(exc)]
+    failures = from_rank0(failures)
+    if failures:
+        if rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        barrier()
+        message, no_space = integrity.save_failure_message(
+            root, final.name, failures, sum(e for _, e in gathered)
+        )
+        raise (CheckpointSpaceError if no_space else CheckpointError)(message)
+    return final
+
+
+def _layout_dp(engine: Any) -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_world_size()
+
+
+def _describe(exc: BaseException | None) -> tuple[str, bool] | None:
+    """A picklable summary of a rank's failure: (message, is a full disk)."""
+    if exc is None:
+        return None
+    return f"{type(exc).__name__}: {exc}"[:2000], integrity.is_no_space(exc)
+
+
+def _finish_save(
+    root: Path,
+    tmp: Path,
+    final: Path,
+    engine: Any,
+    step: int,
+    trainer_state: dict[str, Any],
+    entries: dict[str, Any],
+    keep_last: int,
+) -> None:
+    """Rank 0, after every rank's files are written and hashed: meta.json, the manifest,
+    fsync of the directories, rename, then ``latest``."""
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "optimizer_steps": engine.optimizer_steps,
+        "trainer_state": trainer_state,
+        "scheduler": engine.scheduler.state_dict(),
+        "layout": layout(engine),
+    }
+    integrity.write_durable(tmp / "meta.json", json.dumps(meta, indent=1, sort_keys=True))
+    size, crc = integrity.file_crc32(tmp / "meta.json")
+    entries = {**entries, "meta.json": {"size": size, integrity.ALGORITHM: crc}}
+    manifest = {"format": 1, "algorithm": integrity.ALGORITHM, "files": entries}
+    missing = set(integrity.list_files(tmp)) - set(entries)
+    if missing:
+        raise OSError(f"files written but not hashed: {sorted(missing)}")
+    text = json.dumps(manifest, indent=1, sort_keys=True)
+    integrity.write_durable(tmp / integrity.MANIFEST, text)
+    for sub in ("dist", "rng", "."):
+        integrity.fsync_dir(tmp / sub)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    integrity.fsync_dir(root)
+    integrity.write_durable(root / "latest", final.name + "\n")
+    _prune(root, keep_last)
+    logger.info("saved checkpoint %s (%d files with checksums)", final, len(entries))
+
+
+def _prune(root: Path, keep_last: int) -> None:
+    if keep_last <= 0:
+        return
+    done = sorted(p for p in root.glob(f"{PREFIX}*") if (p / "meta.json").exists())
+    for old in done[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
