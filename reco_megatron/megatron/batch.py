@@ -94,6 +94,22 @@ class RolloutBatch:
         group = self.group_size if b % self.group_size == 0 else 1
         return replace(self, **{**out, "group_size": group})
 
+    def padded_to(self, multiple: int) -> RolloutBatch:
+        """The batch right-padded so that ``S = L - 1`` is a multiple of ``multiple`` (self
+        when it already is). Padding is token 0 with every per-token tensor 0 there, so the
+        loss mask excludes it; causal attention keeps it from changing earlier positions.
+        Sequence parallelism needs ``S`` divisible by TP (megatron splits the sequence)."""
+        pad = -self.seq_length % multiple
+        if pad == 0:
+            return self
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor) and value.dim() == 2:
+                value = torch.nn.functional.pad(value, (0, pad))
+            out[f.name] = value
+        return replace(self, **out)
+
     def to(self, device: torch.device | str) -> RolloutBatch:
         """The batch with every tensor on ``device``."""
         out = {

@@ -150,6 +150,7 @@ class ReCoEngine:
                 pre_process=ps.is_pipeline_first_stage(ignore_virtual=vp is None, **kwargs),
                 post_process=ps.is_pipeline_last_stage(ignore_virtual=vp is None, **kwargs),
                 on_gpu=self.on_gpu,
+                vp_stage=None if vp is None else i,
             )
             if self.update.fused_output_layer:
                 fuse_output_layer(chunk)
@@ -176,11 +177,23 @@ class ReCoEngine:
 
         return ps.is_pipeline_last_stage(ignore_virtual=True)
 
+    @property
+    def sequence_multiple(self) -> int:
+        """What the sequence length the model runs on must be a multiple of: TP under
+        sequence parallelism (megatron splits the sequence over the TP group), times 2 CP with
+        context parallelism (two chunks per rank). :meth:`_run` right-pads to it."""
+        p = self.parallel
+        multiple = p.tensor_model_parallel_size if p.sequence_parallel else 1
+        if p.context_parallel_size > 1:
+            multiple *= 2 * p.context_parallel_size
+        return multiple
+
     # ------------------------------------------------------------------ schedules
     def _run(self, model: list[Any], batch: RolloutBatch, loss_func: Any, forward_only: bool):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        mbs = micro_batches(batch.to(self.device), self.parallel.micro_batch_size)
+        batch = batch.to(self.device).padded_to(self.sequence_multiple)
+        mbs = micro_batches(batch, self.parallel.micro_batch_size)
         data: Any = iter(mbs)
         if len(model) > 1:  # virtual pipeline: one iterator per chunk
             data = [iter(mbs) for _ in model]
@@ -212,7 +225,8 @@ class ReCoEngine:
             chunk.train()
         if not self.is_last_stage:
             return {}
-        return {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
+        s = batch.seq_length  # without the padding _run may have added
+        return {key: torch.cat([p[key] for p in parts])[:, :s] for key in parts[0]}
 
     def prepare(self, batch: RolloutBatch) -> tuple[RolloutBatch, dict[str, float]]:
         """The old-policy pass, reference log-probs and response weights of a whole batch.

@@ -93,6 +93,7 @@ def build_engine(
     model: ModelConfig | None = None,
     adam_eps: float = 1e-3,
     fused_output_layer: bool = False,
+    sequence_parallel: bool = False,
 ) -> ReCoEngine:
     """An engine for the tiny model. ``adam_eps`` is large on purpose: Adam's first step is
     ``lr * g / (|g| + eps)``, which turns a 1e-9 fp32 reduction-order difference of a gradient
@@ -102,6 +103,7 @@ def build_engine(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         micro_batch_size=micro_batch_size,
+        sequence_parallel=sequence_parallel,
     )
     initialize_parallel(parallel, seed=1234)
     return ReCoEngine(
