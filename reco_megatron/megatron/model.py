@@ -177,6 +177,7 @@ def transformer_config(model: ModelConfig, parallel: Any, on_gpu: bool) -> Any:
     model.check_tensor_parallel(parallel.tensor_model_parallel_size)
     dtype = DTYPES[model.params_dtype]
     fused = layer_backend(on_gpu) == "transformer_engine"
+    interleaved = parallel.virtual_pipeline_model_parallel_size is not None
     return TransformerConfig(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
@@ -212,6 +213,12 @@ def transformer_config(model: ModelConfig, parallel: Any, on_gpu: bool) -> Any:
         gradient_accumulation_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=fused,
+        # Interleaved pipeline: point-to-point sends and receives one by one, as Megatron-LM
+        # does by default with a virtual pipeline. Batched, the forward activation and the
+        # backward gradient a stage exchanges with the same neighbour (PP 2: the previous
+        # stage is the next one) are indistinguishable, and the schedule mixes them up.
+        overlap_p2p_comm=interleaved,
+        batch_p2p_comm=not interleaved,
     )
 
 
