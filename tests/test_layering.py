@@ -17,8 +17,7 @@ compatibility layer (``megatron/compat``: versions and the CPU backend), Hugging
 enabled only by the start-up paths (a run's, and the memory census's fake world), neither
 the weights room nor the checkpoint room imports the engine (the checkpoint code takes an
 engine object; it never builds one), and Megatron-Bridge is never loaded at import time. No
-module
-of the package takes part in an import cycle (imports inside functions included).
+module of the package takes part in an import cycle (imports inside functions included).
 """
 
 from __future__ import annotations
