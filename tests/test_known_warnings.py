@@ -18,6 +18,8 @@ SAMPLES = {
     "mcore-async-save": "MCore's async save is deprecated and will be removed",
     "torch-collectives": "`torch.distributed.all_gather_into_tensor` is deprecated.",
     "non-leaf-grad": "The .grad attribute of a Tensor that is not a leaf Tensor is being accessed",
+    "sp-connections": "When using sequence parallelism it is recommended to set the environment "
+    "variable CUDA_DEVICE_MAX_CONNECTIONS to 1 for maximum speedup",
 }
 
 

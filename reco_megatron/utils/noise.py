@@ -61,6 +61,13 @@ KNOWN: tuple[tuple[str, str, str], ...] = (
         "megatron-core's optimizer probes .grad of non-leaf tensors when zeroing gradients "
         "(harmless)",
     ),
+    (
+        "sp-connections",
+        r"When using sequence parallelism it is recommended to set the environment variable "
+        r"CUDA_DEVICE_MAX_CONNECTIONS",
+        "megatron-core asks for CUDA_DEVICE_MAX_CONNECTIONS=1 with sequence parallelism: the "
+        "Slurm and NeMo-Run launchers set it on GPU nodes; a CPU run has no CUDA streams",
+    ),
 )
 """``(key, regex on the message, one-line summary)`` of every known, harmless warning."""
 

@@ -1,4 +1,5 @@
-"""The interleaved (virtual) pipeline: one ReCo update at PP 2 x VP 2 equals one process.
+"""The interleaved (virtual) pipeline: one ReCo update at PP 2 x VP 2 equals one process, and
+its checkpoints resume exactly and load at PP 1.
 
 4 layers in 4 chunks (2 stages x 2 chunks, one layer each): chunk ``i`` of stage ``r`` holds
 layer ``2 i + r``, so the layer numbering, the per-chunk data iterators and megatron's
@@ -11,13 +12,20 @@ also the next one, so a stage's outgoing activation and its outgoing gradient tr
 rank with the same tag and the receiver mixes them up (later micro-batches then see another
 micro-batch's hidden states). ``model.transformer_config`` therefore sends one by one with a
 virtual pipeline (``overlap_p2p_comm``), as Megatron-LM does by default.
+
+Checkpoints hold one model state per chunk (``model0``, ``model1``) under the chunks' global
+layer numbers: a PP 2 x VP 2 run saved after one update, reloaded into fresh chunks and updated
+again equals the uninterrupted run bit for bit, and the same checkpoint loads into one process.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
+from reco_megatron.megatron.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from reco_megatron.testing import run_distributed
 from tests.megatron import _reco
 
@@ -56,3 +64,44 @@ def test_interleaved_pipeline_equals_single_process() -> None:
         for got, want in zip(res["steps"], single["steps"], strict=True):
             for key in ("loss", "ratio_max", "token_ratio_max", "entropy"):
                 assert got[key] == pytest.approx(want[key], abs=1e-5), key
+
+
+def _update(engine, seed):
+    prepared, _ = engine.prepare(_reco.dp_share(_reco.rollout_batch(seed=seed)))
+    engine.train_on_rollout(prepared)
+
+
+def _resume_body(rank, world_size, root, reference):
+    engine = _reco.build_engine(pp=2, vp=2, model=_reco.model_config(num_layers=LAYERS))
+    _reco.load_full(engine, reference)
+    _update(engine, seed=1)
+    save_checkpoint(root, 1, engine, {"step": 1}, keep_last=1)
+    saved = _reco.gather_stages(_reco.full_params(engine))
+    _update(engine, seed=2)
+    fresh = _reco.build_engine(pp=2, vp=2, model=_reco.model_config(num_layers=LAYERS))
+    load_checkpoint(latest_checkpoint(root), fresh)
+    _update(fresh, seed=2)
+    return {
+        "saved": saved,
+        "uninterrupted": _reco.gather_stages(_reco.full_params(engine)),
+        "resumed": _reco.gather_stages(_reco.full_params(fresh)),
+    }
+
+
+def _load_body(rank, world_size, root):
+    engine = _reco.build_engine(model=_reco.model_config(num_layers=LAYERS))
+    load_checkpoint(latest_checkpoint(root), engine, load_optimizer=False, load_rng=False)
+    return _reco.full_params(engine)
+
+
+def test_interleaved_checkpoint_resumes_exactly_and_loads_at_pp1(tmp_path: Path) -> None:
+    ref = run_distributed(_body, 1, args=(1, None, None), timeout=120)[0]
+    root = str(tmp_path / "ckpt")
+    results = run_distributed(_resume_body, 2, args=(root, ref), timeout=300)
+    for res in results:
+        for name, value in res["uninterrupted"].items():
+            assert torch.equal(res["resumed"][name], value), name
+    single = run_distributed(_load_body, 1, args=(root,), timeout=120)[0]
+    assert single.keys() == results[0]["saved"].keys()
+    for name, value in results[0]["saved"].items():
+        assert torch.equal(single[name], value), name
