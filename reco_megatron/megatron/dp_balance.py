@@ -1,0 +1,149 @@
+"""Balanced data-parallel ranks: whole groups move between ranks so that each rank's compute
+is about the same.
+
+Each data-parallel rank generates the responses of its own groups (``batch.data_parallel_groups``),
+so with long-tailed lengths one rank may hold several times the tokens of another, and every
+optimizer step waits for the slowest. :func:`balance_across_ranks` exchanges the ranks'
+rollout batches over the data-parallel group and gives each rank an equal number of whole
+groups with about equal estimated compute (:func:`microbatching.sequence_cost`, attention
+included), **within each global mini-batch**: global mini-batch ``k`` is the same set of
+groups as without balancing, only its split over the ranks changes. Since the loss is
+normalised over the global mini-batch (docs/megatron-engine.md), the gradient is the same.
+
+The exchange is an all-gather of the token-level tensors (every rank then holds the global
+rollout batch: ``B x L`` token ids, masks and log-probs, a few hundred MB at the largest
+examples' scale, on the host), then each rank keeps its share. Every rank computes the same
+assignment from the same gathered lengths (the partition is deterministic).
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from reco_megatron.megatron.batch import RolloutBatch
+from reco_megatron.megatron.device import collective_device
+from reco_megatron.megatron.microbatching import (
+    balanced_partition,
+    needed_lengths,
+    round_up,
+    sequence_cost,
+    take_rows,
+)
+
+
+def _gather_batches(batch: RolloutBatch, group: Any) -> RolloutBatch:
+    """The rows of every rank's ``batch``, rank after rank, right-padded to the longest."""
+    device = collective_device(group)
+    world = dist.get_world_size(group)
+    width = torch.tensor([batch.tokens.shape[1]], dtype=torch.long, device=device)
+    dist.all_reduce(width, op=dist.ReduceOp.MAX, group=group)
+    batch = take_rows(batch, range(batch.num_sequences), int(width.item()) - 1)
+    names = [f.name for f in fields(batch) if f.name != "group_size"]  # the tensors
+    present = torch.tensor(
+        [getattr(batch, n) is not None for n in names], dtype=torch.long, device=device
+    )
+    agree = present.clone()
+    dist.all_reduce(agree, op=dist.ReduceOp.MIN, group=group)
+    if not torch.equal(agree, present):
+        bad = [n for n, a, p in zip(names, agree.tolist(), present.tolist(), strict=True) if a != p]
+        raise RuntimeError(f"RolloutBatch fields {bad} are set on some data-parallel ranks only")
+    out = {}
+    for name in names:
+        value = getattr(batch, name)
+        if value is None:
+            continue
+        local = value.contiguous().to(device)
+        parts = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(parts, local, group=group)
+        out[name] = torch.cat(parts).to(value.device)
+    return replace(batch, **out)
+
+
+def balance_across_ranks(
+    batch: RolloutBatch,
+    group: Any,
+    minibatches: int,
+    hidden_size: int,
+    length_multiple: int = 1,
+) -> tuple[RolloutBatch, dict[str, float]]:
+    """This rank's balanced share of the global rollout batch (collective over ``group``).
+
+    ``batch``: this rank's rows, whole groups, its ``minibatches`` consecutive parts being its
+    slices of global mini-batches ``0..minibatches-1`` (what ``batch.data_parallel_share`` and
+    the trainer give). Returns the new rows in the same layout (mini-batch-major, whole groups,
+    as many groups as before; tensors cut to the longest row needs, rounded up to
+    ``length_multiple``) and metrics: ``balance_tokens_max``/``_min``, the most and fewest
+    needed tokens on a rank before (``_before``) and after balancing.
+    """
+    world = dist.get_world_size(group) if group is not None else 1
+    if world == 1:
+        return batch, {}
+    rank = dist.get_rank(group)
+    g = batch.group_size
+    groups = batch.num_sequences // g
+    if groups % minibatches:
+        raise ValueError(
+            f"{groups} groups on this rank cannot be split into {minibatches} mini-batches"
+        )
+    per = groups // minibatches
+    full = _gather_batches(batch, group)
+    needed = needed_lengths(full.loss_mask)
+    local_groups = groups  # every rank holds the same number (checked by the trainer's split)
+
+    def rows_of(r: int, local: int) -> range:
+        start = (r * local_groups + local) * g
+        return range(start, start + g)
+
+    mine: list[int] = []
+    before = [0] * world
+    after = [0] * world
+    for k in range(minibatches):
+        owners = [(r, k * per + j) for r in range(world) for j in range(per)]
+        costs = [sum(sequence_cost(needed[i], hidden_size) for i in rows_of(*o)) for o in owners]
+        parts = balanced_partition(costs, world)
+        for r, part in enumerate(parts):
+            for idx in part:
+                rows = rows_of(*owners[idx])
+                after[r] += sum(needed[i] for i in rows)
+                if r == rank:
+                    mine.extend(rows)
+        for r, local in owners:
+            before[r] += sum(needed[i] for i in rows_of(r, local))
+    length = round_up(max(needed[i] for i in mine), length_multiple)
+    out = take_rows(full, mine, min(length, full.seq_length))
+    out = replace(out, group_size=g)
+    metrics = {
+        "balance_tokens_max_before": float(max(before)),
+        "balance_tokens_min_before": float(min(before)),
+        "balance_tokens_max": float(max(after)),
+        "balance_tokens_min": float(min(after)),
+    }
+    return out, metrics
+
+
+def common_count(count: int, rows: int, group: Any, divisor: int = 1) -> int:
+    """The number of micro-batches every rank of ``group`` runs: the largest ``count`` over the
+    group (collective), rounded up to a multiple of ``divisor``. Pipeline schedules run the
+    same count on every rank, and a rank that needs fewer gets its micro-batches split (which
+    adds no padding) rather than empty ones."""
+    if group is not None and dist.get_world_size(group) > 1:
+        t = torch.tensor([count], dtype=torch.long, device=collective_device(group))
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        count = int(t.item())
+    count = round_up(count, divisor)
+    if count > rows:
+        why = (
+            f", rounded up to a multiple of PP = {divisor} for the virtual pipeline"
+            if divisor > 1
+            else ""
+        )
+        raise ValueError(
+            f"{rows} sequences on this rank cannot fill {count} micro-batches (the most any "
+            f"data-parallel rank needs under update.max_tokens_per_microbatch{why}): give each "
+            "rank more sequences per mini-batch (rollout.prompts_per_step) or raise the budget"
+        )
+    return count
