@@ -100,13 +100,21 @@ def balance_across_ranks(
 
     mine: list[int] = []
     before = [0] * world
+    total = [0.0] * world
     after = [0] * world
     for k in range(minibatches):
         owners = [(r, k * per + j) for r in range(world) for j in range(per)]
         costs = [sum(sequence_cost(needed[i], hidden_size) for i in rows_of(*o)) for o in owners]
         parts = balanced_partition(costs, world)
-        for r, part in enumerate(parts):
-            for idx in part:
+        # the heaviest part to the rank with the least work so far (the old-policy pass runs
+        # all mini-batches at once): each update and the whole batch are balanced
+        load = [sum(costs[i] for i in part) for part in parts]
+        heaviest_first = sorted(range(world), key=lambda p: (-load[p], p))
+        least_loaded_first = sorted(range(world), key=lambda r: (total[r], r))
+        part_of = dict(zip(least_loaded_first, heaviest_first, strict=True))
+        for r in range(world):
+            total[r] += load[part_of[r]]
+            for idx in parts[part_of[r]]:
                 rows = rows_of(*owners[idx])
                 after[r] += sum(needed[i] for i in rows)
                 if r == rank:
