@@ -149,6 +149,15 @@ def _batches(cfg: TrainConfig, dp: int, problems: list[str]) -> None:
             )
 
 
+def batch_problems(cfg: TrainConfig, data_parallel_size: int) -> list[str]:
+    """The problems of ``cfg``'s batch splits (prompts over mini-batches and data-parallel
+    ranks, sequences over micro-batches or the token budget, the SFT batch) at
+    ``data_parallel_size``: what the launch check adds to the layout checks."""
+    problems: list[str] = []
+    _batches(cfg, data_parallel_size, problems)
+    return problems
+
+
 def _path_problem(key: str, value: str, *, directory: bool = False) -> str | None:
     path = Path(value)
     if not path.exists():
