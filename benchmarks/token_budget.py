@@ -200,7 +200,9 @@ def main() -> None:
     parser.add_argument("--median", type=float, default=96.0, help="median response length")
     parser.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma")
     parser.add_argument("--max-new", type=int, default=1024, help="response length clip")
-    parser.add_argument("--micro-batch-size", type=int, default=4)
+    parser.add_argument(
+        "--micro-batch-size", type=int, default=1, help="fixed split (1: the 7B/8B/70B examples)"
+    )
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds per mode")
     parser.add_argument("--reps", type=int, default=2, help="timed reps per round")
     parser.add_argument("--json", help="write the results here")
