@@ -35,7 +35,6 @@ from reco_megatron.algo import LossConfig, response_weights
 from reco_megatron.megatron.batch import RolloutBatch
 from reco_megatron.megatron.device import collective_device, resolve_device
 from reco_megatron.megatron.distributed import ParallelConfig
-from reco_megatron.megatron.dp_balance import balance_across_ranks
 from reco_megatron.megatron.engine_metrics import reduce_metrics
 from reco_megatron.megatron.loss_layer import (
     LossContext,
@@ -77,16 +76,18 @@ class UpdateConfig:
 
     max_tokens_per_microbatch: int | None = None
     """Token budget of one micro-batch: each micro-batch runs at its own longest sequence
-    (rounded up to ``microbatch_length_multiple``) with as many sequences as fit ``rows x
-    length <= budget``, for the old-policy, reference and update passes alike; the loss and
-    gradients do not change (docs/megatron-engine.md). At least the longest prompt + response.
-    null: fixed micro-batches of ``parallel.micro_batch_size`` sequences at the batch's length."""
+    (rounded up to ``microbatch_length_multiple``), sequences grouped for the least padding
+    with ``rows x length <= budget``, in the old-policy, reference and update passes alike; the
+    loss and gradients do not change (docs/megatron-engine.md). At least the longest prompt +
+    response. null: fixed micro-batches of ``parallel.micro_batch_size`` sequences at the
+    batch's length."""
     microbatch_length_multiple: int = 16
     """With a token budget: micro-batch lengths are rounded up to this multiple (kernel-friendly
     shapes), and to TP with sequence parallelism, 2 x CP with context parallelism."""
     balance_data_parallel: bool = True
-    """With DP > 1: exchange whole groups between data-parallel ranks (within each global
-    mini-batch) so that every rank gets about the same estimated compute, attention included."""
+    """With a token budget and DP > 1: exchange whole groups between data-parallel ranks
+    (within each global mini-batch) so that every rank gets about the same estimated compute,
+    attention included."""
     sequence_packing: bool = False
     """With a token budget: pack the sequences of a micro-batch into one row (THD, megatron's
     ``PackedSeqParams``) instead of padded rows. Needs transformer-engine on a GPU; without it
@@ -244,23 +245,13 @@ class ReCoEngine:
     def prepare(self, batch: RolloutBatch) -> tuple[RolloutBatch, dict[str, float]]:
         """The old-policy pass, reference log-probs and response weights of a whole batch.
 
-        With ``update.balance_data_parallel`` and DP > 1 the data-parallel ranks first exchange
+        With a token budget, ``update.balance_data_parallel`` and DP > 1 the ranks first exchange
         whole groups (``dp_balance``, collective): the returned batch then holds this rank's
         balanced share of the same global mini-batches. Returns the batch with
         ``old_logprobs``, ``old_sum_p2``, ``ref_logprobs`` and ``weights`` filled, on the CPU,
         and the metrics of the pass."""
-        from megatron.core import parallel_state as ps
-
         metrics: dict[str, torch.Tensor] = {}
-        balance: dict[str, float] = {}
-        if self.update.balance_data_parallel and ps.get_data_parallel_world_size() > 1:
-            batch, balance = balance_across_ranks(
-                batch,
-                ps.get_data_parallel_group(),
-                self.update.minibatches_per_rollout,
-                self.model_cfg.hidden_size,
-                self.batcher.multiple,
-            )
+        batch, balance = self.batcher.balance(batch, self.model_cfg.hidden_size)
         batch = batch.to(self.device)
         start = time.perf_counter()
         stats = self._statistics(batch, reference=False)

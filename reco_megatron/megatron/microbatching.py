@@ -19,8 +19,6 @@ of a model-parallel group computes the same plan from the same batch. Pieces:
 * :class:`MicroBatchPlan`: rows and length of each micro-batch, with its padding accounting;
 * :func:`fixed_plan`, :func:`budget_plan`, :func:`packed_plan`, :func:`split_to` (more
   micro-batches, so that every data-parallel rank runs the same count);
-* :func:`balanced_partition` and :func:`sequence_cost`: whole groups to data-parallel ranks,
-  balancing estimated compute (attention included);
 * :func:`take_rows`: a micro-batch's tensors at its length.
 """
 
@@ -289,55 +287,6 @@ def split_to(
         plan.needed,
         packed=plan.packed,
     )
-
-
-# ---------------------------------------------------------------- data-parallel balance
-def sequence_cost(length: int, hidden_size: int) -> float:
-    """Estimated forward compute of one sequence, in units of one position's dense layers.
-
-    A layer's dense matmuls cost about ``24 h^2`` FLOPs per position (QKV, output projection
-    and a SwiGLU MLP of ~3.5 h); causal attention costs ``2 h L`` per position on average over
-    a sequence of ``L`` (QK^T and AV over L/2 keys). Per sequence: ``L + L^2 / (12 h)``; at
-    h = 4096 and L = 4096 attention adds 8 %."""
-    return length + length * length / (12.0 * hidden_size)
-
-
-def balanced_partition(costs: Sequence[float], parts: int) -> list[list[int]]:
-    """Split items into ``parts`` lists of equal size (``len(costs) / parts`` each) with sums
-    as equal as possible: longest-processing-time first (each item to the lightest part with
-    room), then swaps between the heaviest and the lightest part while one lowers the
-    heavier's sum. Deterministic (ties go to the lower index), so every rank computes the same
-    answer. Returns the item indices of each part, ascending."""
-    n = len(costs)
-    if parts < 1 or n % parts:
-        raise ValueError(f"{n} items cannot be split into {parts} equal parts")
-    size = n // parts
-    sums = [0.0] * parts
-    out: list[list[int]] = [[] for _ in range(parts)]
-    for i in sorted(range(n), key=lambda i: (-costs[i], i)):
-        p = min((p for p in range(parts) if len(out[p]) < size), key=lambda p: (sums[p], p))
-        out[p].append(i)
-        sums[p] += costs[i]
-    for _ in range(4 * n):
-        hi = max(range(parts), key=lambda p: (sums[p], -p))
-        lo = min(range(parts), key=lambda p: (sums[p], p))
-        gap = sums[hi] - sums[lo]
-        best = None
-        for a in out[hi]:
-            for b in out[lo]:
-                delta = costs[a] - costs[b]
-                if 0 < delta < gap and (best is None or abs(gap - 2 * delta) < best[0]):
-                    best = (abs(gap - 2 * delta), a, b)
-        if best is None or best[0] >= gap:
-            break
-        _, a, b = best
-        out[hi].remove(a)
-        out[lo].remove(b)
-        out[hi].append(b)
-        out[lo].append(a)
-        sums[hi] += costs[b] - costs[a]
-        sums[lo] += costs[a] - costs[b]
-    return [sorted(p) for p in out]
 
 
 # ---------------------------------------------------------------- tensors of one micro-batch

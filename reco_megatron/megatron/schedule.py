@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from reco_megatron.megatron.batch import RolloutBatch
-from reco_megatron.megatron.dp_balance import common_count
+from reco_megatron.megatron.dp_balance import balance_across_ranks, common_count
 from reco_megatron.megatron.loss_layer import LossContext, make_forward_step
 from reco_megatron.megatron.microbatching import (
     MicroBatchPlan,
@@ -42,7 +42,8 @@ class MicroBatcher:
     """The micro-batching of one engine.
 
     ``update``: the engine's ``UpdateConfig`` (``max_tokens_per_microbatch``,
-    ``microbatch_length_multiple``, ``sequence_packing``, ``fused_output_layer``);
+    ``microbatch_length_multiple``, ``balance_data_parallel``, ``sequence_packing``,
+    ``fused_output_layer``, ``minibatches_per_rollout``);
     ``parallel``: its ``ParallelConfig``; ``on_gpu``: whether the model runs on CUDA.
     """
 
@@ -80,6 +81,21 @@ class MicroBatcher:
         and PP > 1 the stages exchange each micro-batch's shape (``variable_seq_lengths``)."""
         if self.budget is not None and self.parallel.pipeline_model_parallel_size > 1:
             config.variable_seq_lengths = True
+
+    def balance(self, batch: RolloutBatch, hidden_size: int) -> tuple[RolloutBatch, dict]:
+        """This rank's balanced share of the global rollout batch and the balance metrics
+        (``dp_balance``, collective over DP) with a budget, ``update.balance_data_parallel``
+        and DP > 1; else ``batch`` as it is and no metrics."""
+        from megatron.core import parallel_state as ps
+
+        u = self.update
+        if not u.balance_data_parallel or self.budget is None:
+            return batch, {}
+        if ps.get_data_parallel_world_size() == 1:
+            return batch, {}
+        group = ps.get_data_parallel_group()
+        minibatches = u.minibatches_per_rollout
+        return balance_across_ranks(batch, group, minibatches, hidden_size, self.multiple)
 
     def plan(self, batch: RolloutBatch) -> MicroBatchPlan:
         """The micro-batches ``batch`` runs as on this rank: fixed, or under the token budget

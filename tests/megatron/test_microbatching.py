@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from reco_megatron.megatron.batch import RolloutBatch
+from reco_megatron.megatron.dp_balance import balanced_partition, sequence_cost
 from reco_megatron.megatron.microbatching import (
     MicroBatchPlan,
-    balanced_partition,
     budget_plan,
     fixed_plan,
     length_multiple,
@@ -20,7 +20,6 @@ from reco_megatron.megatron.microbatching import (
     packed_plan,
     round_up,
     scatter_rows,
-    sequence_cost,
     split_to,
     take_rows,
 )
