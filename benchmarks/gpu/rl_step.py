@@ -17,8 +17,10 @@ Run::
 
     python benchmarks/gpu/rl_step.py --preset 1b --out OUT_DIR      # OUT_DIR/rl_step.{json,md}
 
-``rl_step.json`` grows as the run goes (set-up, then one row per step, ``"complete"`` at the
-end); ``rl_step.md`` is written at the end.
+``--checkpoint`` also saves the trainer's checkpoint after the last step (``save_s``; the
+device check's CPU rehearsal does, so that a module the save path needs, psutil, cannot be
+missing unnoticed). ``rl_step.json`` grows as the run goes (set-up, then one row per step,
+``"complete"`` at the end); ``rl_step.md`` is written at the end.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ COMMON = [
 PHASES = ("time_rollout", "time_reward", "time_old_logprob", "time_train", "time_sync")
 
 
-def run(preset: str, steps: int, out: Path) -> dict:
+def run(preset: str, steps: int, out: Path, checkpoint: bool = False) -> dict:
     """Build the trainer, run ``steps`` RL steps, return the report.
 
     ``out/rl_step.json`` is rewritten (atomically) after the set-up and after every step with
@@ -116,6 +118,11 @@ def run(preset: str, steps: int, out: Path) -> dict:
                 report["peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
                 report["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
             write_json(out / "rl_step.json", report)
+        if checkpoint:  # megatron's distributed checkpoint of the whole state, as a run saves
+            t0 = time.perf_counter()
+            trainer.save()
+            report["save_s"] = time.perf_counter() - t0
+            write_json(out / "rl_step.json", report)
     finally:
         trainer.close()
     last = report["rows"][-1]
@@ -158,9 +165,12 @@ def main() -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="1b")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--checkpoint", action="store_true", help="save a checkpoint after the last step, timed"
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    report = run(args.preset, args.steps, args.out)
+    report = run(args.preset, args.steps, args.out, args.checkpoint)
     (args.out / "rl_step.md").write_text(markdown(report))
     print(markdown(report))
 
