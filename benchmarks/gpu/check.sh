@@ -33,10 +33,10 @@ ROOT=$PWD
 absolute() { case $1 in /*) echo "$1" ;; */*) echo "$CALLER/$1" ;; *) echo "$1" ;; esac; }
 
 STEPS=(install environment stats_op kernel_tests trainer_tests rl_step rollout_engines)
-# Seconds per step on one H200, about 1.5-2x the predicted durations (docs/gpu.md says how
+# Seconds per step on one H200, 1.4-2x the predicted durations (docs/gpu.md says how
 # they were predicted); the sum, 480 s, plus 60 s is the time limit for the whole command.
 # On the CPU (--cpu) the limits only catch hangs: 5x.
-declare -A LIMIT=([install]=20 [environment]=30 [stats_op]=75 [kernel_tests]=110
+declare -A LIMIT=([install]=15 [environment]=30 [stats_op]=80 [kernel_tests]=110
   [trainer_tests]=150 [rl_step]=50 [rollout_engines]=45)
 
 usage() {
@@ -157,12 +157,12 @@ step_rl_step() {
 }
 
 step_rollout_engines() {
-  # the megatron rollout engine vs the embedded one, side by side in one process: ~1.2B bf16,
-  # 128 prompts x G 8 x 256 new tokens in chunks of 512 rows (the embedded engine: the first
-  # 64 prompts, one chunk of the same shape); the full size is --prompts 256 --new-tokens 512
+  # the megatron rollout engine vs the embedded one, side by side in one process on the same
+  # prompts: ~1.2B bf16, 64 prompts x G 8 x 256 new tokens, one chunk of 512 rows each (the
+  # benchmark's defaults, 256 prompts and 512 new tokens, take minutes)
   if [ "$MODE" = gpu ]; then
-    "$PYTHON" benchmarks/rollout_engines.py --gpu-1b --prompts 128 --embedded-prompts 64 \
-      --max-batch-size 512 --new-tokens 256 --out "$OUT/rollout_engines.json"
+    "$PYTHON" benchmarks/rollout_engines.py --gpu-1b --prompts 64 --max-batch-size 512 \
+      --new-tokens 256 --out "$OUT/rollout_engines.json"
   else
     "$PYTHON" benchmarks/rollout_engines.py --smoke --out "$OUT/rollout_engines.json"
   fi
