@@ -1,11 +1,12 @@
-"""The rollout batch one data-parallel rank trains on, and its split into micro-batches.
+"""The rollout batch one data-parallel rank trains on, and its split over data-parallel ranks.
 
 A :class:`RolloutBatch` holds *whole groups*: ``B = groups x G`` sequences of prompt +
 response tokens, right-padded to one length. Training predicts token ``t+1`` from position
 ``t``, so every per-token tensor the loss sees is aligned with ``labels = tokens[:, 1:]``
 (shape ``[B, S]`` with ``S = L - 1``): ``loss_mask[:, t]`` is 1 when ``tokens[:, t+1]`` is a
 response token. Getting this alignment wrong by one is the classic RL-trainer bug; it is
-done once, here.
+done once, here. Micro-batches (fixed or token-budget) are cut in
+:mod:`reco_megatron.megatron.microbatching`.
 """
 
 from __future__ import annotations
@@ -94,22 +95,6 @@ class RolloutBatch:
         group = self.group_size if b % self.group_size == 0 else 1
         return replace(self, **{**out, "group_size": group})
 
-    def padded_to(self, multiple: int) -> RolloutBatch:
-        """The batch right-padded so that ``S = L - 1`` is a multiple of ``multiple`` (self
-        when it already is). Padding is token 0 with every per-token tensor 0 there, so the
-        loss mask excludes it; causal attention keeps it from changing earlier positions.
-        Sequence parallelism needs ``S`` divisible by TP (megatron splits the sequence)."""
-        pad = -self.seq_length % multiple
-        if pad == 0:
-            return self
-        out = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, torch.Tensor) and value.dim() == 2:
-                value = torch.nn.functional.pad(value, (0, pad))
-            out[f.name] = value
-        return replace(self, **out)
-
     def to(self, device: torch.device | str) -> RolloutBatch:
         """The batch with every tensor on ``device``."""
         out = {
@@ -118,17 +103,6 @@ class RolloutBatch:
             if isinstance(getattr(self, f.name), torch.Tensor)
         }
         return replace(self, **out)
-
-
-def micro_batches(batch: RolloutBatch, micro_batch_size: int) -> list[RolloutBatch]:
-    """Consecutive slices of ``micro_batch_size`` sequences (B must be a multiple)."""
-    b = batch.num_sequences
-    if micro_batch_size < 1 or b % micro_batch_size:
-        raise ValueError(
-            f"{b} sequences cannot be split into micro-batches of {micro_batch_size}: choose "
-            "parallel.micro_batch_size dividing the per-rank batch (prompts x group size / DP)"
-        )
-    return [batch.select(slice(i, i + micro_batch_size)) for i in range(0, b, micro_batch_size)]
 
 
 def data_parallel_groups(

@@ -6,7 +6,9 @@ from the example file (so a setting added there, e.g. token-budget micro-batches
 without a change), and only what cannot run on 2 CPU cores is shrunk:
 
 * ``8b``, ``examples/llama3.1-8b-instruct.yaml``: TP 2 + sequence parallel x DP 4, the
-  distributed optimizer, micro-batches of 1, 4 mini-batches per rollout.
+  distributed optimizer, token-budget micro-batches (the example's budget is its longest
+  sequence; here the tiny run's, 96) with balanced data-parallel ranks, 4 mini-batches per
+  rollout.
 * ``70b``, ``examples/llama3.1-70b.yaml`` shrunk to 8 ranks: TP 2 (from 8) x PP 4 x virtual
   pipeline 2 + sequence parallel, DP 1; 8 layers, one per model chunk.
 
@@ -82,12 +84,19 @@ SHRUNK = [
 """What every case shrinks or changes, applied over the example's settings."""
 
 
+TINY_LONGEST = 96
+"""The tiny run's longest sequence (max_prompt_len 80 + max_new_tokens 8), rounded up to 16:
+the examples set their token budget to their longest sequence, so the shrunk cases do too."""
+
+
 def example_overrides(path: str) -> list[str]:
     """The example's blocks :data:`FROM_EXAMPLE` and rollout sampling as dotted overrides."""
     data = read_yaml(path)
     out = []
     for block in FROM_EXAMPLE:
         for key, value in (data.get(block) or {}).items():
+            if block == "update" and key == "max_tokens_per_microbatch" and value is not None:
+                value = TINY_LONGEST
             out.append(f"{block}.{key}={json.dumps(value)}")
     for key in ROLLOUT_KEYS:
         out.append(f"rollout.{key}={json.dumps(data['rollout'][key])}")
