@@ -8,8 +8,8 @@ Two parts:
   (fp32 statistics: a bf16 mean of squares would be off by several bf16 steps).
 * One ReCo update (old-policy pass + 2 optimizer steps, the rollout batch of
   ``test_reco_step``) at TP 2 with sequence parallelism equals the same update at TP 2 without
-  it and the single-process run: per-token old log-probs, losses and metrics, and every
-  parameter after both steps; for Llama (untied) and Qwen2 (QKV bias, tied embeddings), and
+  it and the single-process run: per-token old log-probs, losses and metrics, the gradient
+  norm of each step, and every parameter after both steps; for Llama (untied) and Qwen2 (QKV bias, tied embeddings), and
   with ``update.fused_output_layer`` (hidden states arrive sequence-sharded at the loss layer).
   The batch has 13 positions, so the engine's padding to a multiple of TP runs too.
   A control run without the norms' ``sequence_parallel`` mark must differ: each TP rank's norm
@@ -178,6 +178,8 @@ def _compare(got: dict, want: dict, param_atol: float = PARAM_ATOL) -> None:
     for got_step, want_step in zip(got["steps"], want["steps"], strict=True):
         for key in ("loss", "clip_frac", "entropy", "token_ratio_max", "weight_mean"):
             assert got_step[key] == pytest.approx(want_step[key], abs=LOSS_ATOL), key
+        # the gradient before clipping, over every parameter (norm weights once, not per rank)
+        assert got_step["grad_norm"] == pytest.approx(want_step["grad_norm"], rel=1e-5)
 
 
 CASES = [("llama", False), ("llama", True), ("qwen2", False)]
