@@ -9,9 +9,10 @@ Two parts:
 * One ReCo update (old-policy pass + 2 optimizer steps, the rollout batch of
   ``test_reco_step``) at TP 2 with sequence parallelism equals the same update at TP 2 without
   it and the single-process run: per-token old log-probs, losses and metrics, the gradient
-  norm of each step, and every parameter after both steps; for Llama (untied) and Qwen2 (QKV bias, tied embeddings), and
-  with ``update.fused_output_layer`` (hidden states arrive sequence-sharded at the loss layer).
-  The batch has 13 positions, so the engine's padding to a multiple of TP runs too.
+  norm of each step, and every parameter after both steps; for Llama (untied) and Qwen2 (QKV
+  bias, tied embeddings), and with ``update.fused_output_layer`` (hidden states arrive
+  sequence-sharded at the loss layer). The batch has 13 positions, so the padding of the
+  micro-batches to a multiple of TP runs too.
   A control run without the norms' ``sequence_parallel`` mark must differ: each TP rank's norm
   weights would then see only their half of the sequence's gradient (the check bites).
 
@@ -133,7 +134,7 @@ def _update_body(rank, world_size, tp, sp, reference, family="llama", fused=Fals
         return _reco.full_params(engine)
     _reco.load_full(engine, reference)
     batch = _reco.dp_share(_reco.rollout_batch())
-    assert batch.seq_length % 2 == 1  # the engine pads to a multiple of TP
+    assert batch.seq_length % 2 == 1  # micro-batches are padded to a multiple of TP
     prepared, _ = engine.prepare(batch)
     steps = engine.train_on_rollout(prepared)
     norm_weights = {
