@@ -165,3 +165,37 @@ def test_shellcheck_clean() -> None:
         cwd=ROOT,
     )
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_cluster_test_leaves_the_system_alone_without_opt_in(tmp_path: Path) -> None:
+    """Plain ``pytest`` (no ``RECO_TEST_SYSTEM_CHANGES=1``) must not run ``.ci/slurm_up.sh``
+    (apt-get, /etc/slurm, daemons): a fake ``bash`` first on PATH records any call."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    marker = tmp_path / "slurm_up_ran"
+    fake = bin_dir / "bash"
+    fake.write_text(f"#!/bin/sh\ntouch {marker}\nexit 77\n")
+    fake.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("CI", "RECO_TEST_SYSTEM_CHANGES")}
+    env.update(PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", PYTHONPATH=str(ROOT))
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-rs",
+            "-p",
+            "no:cacheprovider",
+            "--noconftest",
+            "tests/launch/test_slurm_cluster.py",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert not marker.exists(), "the cluster fixture ran .ci/slurm_up.sh without the opt-in"
+    assert "1 skipped" in res.stdout, res.stdout + res.stderr
+    assert "RECO_TEST_SYSTEM_CHANGES=1" in res.stdout
