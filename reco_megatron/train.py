@@ -5,8 +5,8 @@ Run it::
     # 1 CPU process, the embedded tiny default (examples/tiny_cpu.yaml): ~minutes on 2 cores
     python -m reco_megatron.train examples/tiny_cpu.yaml
 
-    # 2 CPU processes, tensor parallel 2 (gloo)
-    torchrun --nproc-per-node 2 -m reco_megatron.train examples/tiny_cpu.yaml \\
+    # 2 CPU processes, tensor parallel 2 (gloo): reco-train starts and watches them itself
+    python -m reco_megatron.train --nproc-per-node 2 examples/tiny_cpu.yaml \\
         parallel.tensor_model_parallel_size=2
 
     # 1 node of 8 GPUs (nccl), Llama-3.1-8B-Instruct
@@ -16,6 +16,9 @@ Run it::
 
 Arguments: a YAML config, then ``section.key=value`` overrides (``--help-config`` lists every
 key with its type, default and meaning). The console script ``reco-train`` is the same.
+``--nproc-per-node N`` starts N local ranks the way ``torchrun`` would and answers like one
+process (:mod:`reco_megatron.launcher`): a bad config is one message and exit 2, not
+torchrun's ``ChildFailedError``.
 
 Exit status: 0 done; 2 invalid configuration; 3 stopped by a stability guard or because more
 than ``reward.max_failed_frac`` of a step's rewards failed; 75 stopped by
@@ -36,6 +39,7 @@ from reco_megatron.config import (
     load_config,
     parse_cli,
 )
+from reco_megatron.launcher import check_then_launch, split_nproc
 from reco_megatron.utils.logging import get_logger
 from reco_megatron.utils.noise import quiet_known_warnings
 
@@ -43,6 +47,11 @@ logger = get_logger(__name__)
 
 EXIT_BAD_CONFIG = 2
 """Exit status of a configuration that cannot run (reported before any compute)."""
+
+
+def report_config_error(exc: Exception) -> None:
+    """The one message of a configuration that cannot run (see :func:`_report`)."""
+    _report("invalid configuration", exc)
 
 
 def _report(kind: str, exc: Exception) -> None:
@@ -64,6 +73,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from reco_megatron.trainer.config import TrainConfig
 
     args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        nproc, args = split_nproc(args)
+    except ValueError as exc:
+        _report("invalid command line", exc)
+        return EXIT_BAD_CONFIG
+    if nproc is not None:
+        return check_then_launch(nproc, args)
     try:
         config_path, overrides = parse_cli(args)
         cfg = load_config(TrainConfig, config_path, overrides)
