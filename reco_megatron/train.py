@@ -93,6 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from reco_megatron.megatron.checkpoint import CheckpointError
     from reco_megatron.trainer.guards import StabilityStop
     from reco_megatron.trainer.loop import Trainer
+    from reco_megatron.trainer.summary import process_seconds, summary_lines
 
     try:
         trainer = Trainer(cfg)
@@ -102,13 +103,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CheckpointError as exc:  # the checkpoint to resume or start from cannot be used
         _report("unusable checkpoint", exc)
         return EXIT_BAD_CONFIG
+    first_step = trainer.step
+    if (since_start := process_seconds()) is not None:  # imports and set-up, without SFT
+        trainer.phases["startup"] = since_start - trainer.phases.get("sft", 0.0)
     try:
         status = trainer.run()
     except StabilityStop as exc:
         logger.error("%s", exc)
         return 3
-    if status == 0:
-        logger.info("done: metrics, checkpoint and plot in %s", trainer.out)
+    if status == 0 and trainer.rank == 0:
+        for line in summary_lines(
+            trainer.out, trainer.phases, first_step=first_step, total_s=process_seconds()
+        ):
+            logger.info("%s", line)
     return status
 
 

@@ -1,5 +1,6 @@
-"""Per-step metrics: ``metrics.jsonl`` (one JSON object per step), TensorBoard, a progress
-bar, and the reward / pass@k plot written at the end of a run. Rank 0 only."""
+"""Per-step metrics: ``metrics.jsonl`` (one JSON object per step), TensorBoard, progress (a
+bar, or lines where no bar can be drawn: :mod:`reco_megatron.trainer.progress`), and the
+plots written at the end of a run (:mod:`reco_megatron.trainer.plots`). Rank 0 only."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ import os
 from pathlib import Path
 from typing import Any
 
+from reco_megatron.trainer.progress import StepProgress
 from reco_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
-KEY_METRICS = ("loss", "reward_mean", "entropy_mean", "clip_frac", "weight_ess", "grad_norm")
+KEY_METRICS = ("reward_mean", "unique_frac", "loss", "entropy_mean", "clip_frac", "grad_norm")
 
 
 def _clean(value: Any) -> Any:
@@ -34,6 +36,7 @@ class MetricsWriter:
         tensorboard: bool,
         progress: bool,
         initial_step: int = 0,
+        log_interval: int = 1,
     ):
         self.path = output_dir / "metrics.jsonl"
         self.output_dir = output_dir
@@ -45,20 +48,14 @@ class MetricsWriter:
                 self._tb = SummaryWriter(str(output_dir / "tensorboard"))
             except ImportError:
                 logger.info("tensorboard is not installed: metrics go to metrics.jsonl only")
-        self._bar = None
-        if progress:
-            try:
-                from tqdm import tqdm
-
-                self._bar = tqdm(
-                    total=total_steps,
-                    initial=initial_step,  # a resumed run's bar starts where it stopped
-                    desc="reco",
-                    unit="step",
-                    dynamic_ncols=True,
-                )
-            except ImportError:
-                pass
+        # progress=False: no bar, a line every log_interval steps (also where no bar fits)
+        self._progress = StepProgress(
+            total_steps,
+            desc="reco",
+            initial=initial_step,
+            every=log_interval,
+            bar=None if progress else False,
+        )
 
     def write(self, row: dict[str, Any]) -> None:
         """Append ``row`` (must hold ``step``)."""
@@ -69,22 +66,14 @@ class MetricsWriter:
             for key, value in row.items():
                 if isinstance(value, int | float) and key != "step" and math.isfinite(value):
                     self._tb.add_scalar(key, value, step)
-        if self._bar is not None:
-            self._bar.update(1)
-            self._bar.set_postfix(
-                {k: f"{row[k]:.3g}" for k in ("reward_mean", "loss") if row.get(k) is not None}
-            )
-        else:
-            shown = " ".join(
-                f"{k}={row[k]:.4g}" for k in KEY_METRICS if isinstance(row.get(k), int | float)
-            )
-            logger.info("step %d %s", step, shown)
+        self._progress.update(
+            {k: float(row[k]) for k in KEY_METRICS if isinstance(row.get(k), int | float)}
+        )
 
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
-        if self._bar is not None:
-            self._bar.close()
+        self._progress.close()
 
 
 def truncate_jsonl(path: Path, last_step: int) -> int:
