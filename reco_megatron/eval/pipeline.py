@@ -255,7 +255,13 @@ def _evaluate(settings: EvalSettings, out: Path, answer_key: Any) -> dict[str, A
     rows = [(e["label"], e["summary"]) for e in entries]
     paths = {
         "json": report.write_json(out / "passk.json", entries),
-        "png": report.plot_passk(out / "passk.png", rows, title=Path(settings.data).name),
+        "png": report.plot_passk(
+            out / "passk.png",
+            rows,
+            bands=report.problem_bands(entries),
+            title=report.passk_title(entries[0]["protocol"], len(entries[0]["problems"])),
+            note="bands: 95% bootstrap interval over problems",
+        ),
     }
     md = out / "passk.md"
     md.write_text(report.markdown_table(rows), encoding="utf-8")

@@ -10,10 +10,13 @@ import os
 from pathlib import Path
 from typing import Any
 
+from reco_megatron.trainer.plots import plot_training_curves
 from reco_megatron.trainer.progress import StepProgress
 from reco_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)
+
+__all__ = ["KEY_METRICS", "MetricsWriter", "plot_training_curves", "read_metrics", "truncate_jsonl"]
 
 KEY_METRICS = ("reward_mean", "unique_frac", "loss", "entropy_mean", "clip_frac", "grad_norm")
 
@@ -121,34 +124,3 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     """All rows of a ``metrics.jsonl``."""
     with path.open(encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
-
-
-def plot_training_curves(metrics_path: Path, out_png: Path) -> Path | None:
-    """Reward and pass@k of the training groups against steps, as a PNG (matplotlib)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        logger.warning("matplotlib is not installed: no plot written (pip install matplotlib)")
-        return None
-    rows = read_metrics(metrics_path)
-    if not rows:
-        return None
-    steps = [r["step"] for r in rows]
-    fig, (ax_r, ax_p) = plt.subplots(1, 2, figsize=(10, 4))
-    ax_r.plot(steps, [r.get("reward_mean") for r in rows], marker="o", ms=3)
-    ax_r.set(xlabel="step", ylabel="mean reward", title="reward (training groups)")
-    ks = sorted({k for r in rows for k in r if k.startswith("pass@")}, key=lambda k: int(k[5:]))
-    for key in ks:
-        ax_p.plot(steps, [r.get(key) for r in rows], label=key)
-    ax_p.set(xlabel="step", ylabel="pass@k", title="pass@k (training groups)", ylim=(0, 1.02))
-    if ks:
-        ax_p.legend(fontsize=8)
-    for ax in (ax_r, ax_p):
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out_png, dpi=110)
-    plt.close(fig)
-    return out_png
