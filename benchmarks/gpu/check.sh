@@ -116,9 +116,9 @@ step_rl_step() {
 }
 
 step_rollout_engines() {
-  # the megatron rollout engine (issue 19) vs the embedded one, side by side in one process:
+  # the megatron rollout engine vs the embedded one, side by side in one process:
   # ~1.2B bf16, 256 prompts x G 8 (the embedded engine: the first 32 prompts), 256 new tokens
-  # to fit the check's 5 minutes (the issue's 512: --new-tokens 512 in a longer run)
+  # to fit the check's 5 minutes (the full 512: --new-tokens 512 in a longer run)
   if [ "$MODE" = gpu ]; then
     "$PYTHON" benchmarks/rollout_engines.py --gpu-1b --new-tokens 256 \
       --out "$OUT/rollout_engines.json"

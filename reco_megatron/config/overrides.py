@@ -112,7 +112,8 @@ def apply_override(raw: dict[str, Any], cls: type, override: Override, problems:
                 problems.set_origin((*path, part), override.text)
                 return
             if part not in fields:
-                message = unknown_key_message(part, list(fields), path)
+                valid = [*fields, *filter(None, [preset_key(section)])]
+                message = unknown_key_message(part, valid, path)
                 problems.add((*path, part), f"{message} (in override {override.text!r})")
                 return
             next_tp = type_hints(section)[part]
