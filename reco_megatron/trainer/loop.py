@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from reco_megatron.algo import group_advantages
-from reco_megatron.config import dump_config
+from reco_megatron.config import config_to_dict, dump_config
 from reco_megatron.data.chat import PromptFormatter
 from reco_megatron.data.sampler import PromptSampler
 from reco_megatron.megatron.batch import data_parallel_groups, data_parallel_share
@@ -116,6 +116,9 @@ class Trainer:
                 self.out,
                 cfg.trainer.max_steps,
                 tensorboard=cfg.trainer.tensorboard,
+                loggers=cfg.trainer.loggers,
+                project=cfg.trainer.project,
+                run_config=config_to_dict(cfg),
                 progress=cfg.trainer.progress and self.step < cfg.trainer.max_steps,
                 initial_step=self.step,
                 log_interval=cfg.trainer.log_interval,

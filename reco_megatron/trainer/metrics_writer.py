@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from reco_megatron.trainer import loggers as loggers_mod
 from reco_megatron.trainer.plots import plot_training_curves
 from reco_megatron.trainer.progress import StepProgress
 from reco_megatron.utils.logging import get_logger
@@ -28,8 +30,9 @@ def _clean(value: Any) -> Any:
 
 
 class MetricsWriter:
-    """Appends one line per step to ``<output_dir>/metrics.jsonl`` (and TensorBoard); the
-    progress bar (``progress``) counts from ``initial_step`` to ``total_steps``."""
+    """Appends one line per step to ``<output_dir>/metrics.jsonl`` and to the ``loggers``
+    (TensorBoard, W&B, MLflow: :mod:`reco_megatron.trainer.loggers`); the progress counts
+    from ``initial_step`` to ``total_steps``."""
 
     def __init__(
         self,
@@ -40,17 +43,21 @@ class MetricsWriter:
         progress: bool,
         initial_step: int = 0,
         log_interval: int = 1,
+        loggers: Sequence[str] = ("tensorboard",),
+        project: str = "reco-megatron",
+        run_config: Mapping[str, Any] | None = None,
     ):
         self.path = output_dir / "metrics.jsonl"
         self.output_dir = output_dir
-        self._tb = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self._tb = SummaryWriter(str(output_dir / "tensorboard"))
-            except ImportError:
-                logger.info("tensorboard is not installed: metrics go to metrics.jsonl only")
+        names = list(loggers)
+        if not tensorboard:
+            names = [n for n in names if n != "tensorboard"]
+        elif "tensorboard" in names and loggers_mod.missing(["tensorboard"]):
+            logger.info("tensorboard is not installed: its logger is off (pip install tensorboard)")
+            names.remove("tensorboard")
+        self._loggers = loggers_mod.build_loggers(
+            names, output_dir, project=project, config=run_config or {}
+        )
         # progress=False: no bar, a line every log_interval steps (also where no bar fits)
         self._progress = StepProgress(
             total_steps,
@@ -65,17 +72,15 @@ class MetricsWriter:
         with self.path.open("a", encoding="utf-8") as f:
             f.write(json.dumps({k: _clean(v) for k, v in row.items()}, sort_keys=True) + "\n")
         step = int(row["step"])
-        if self._tb is not None:
-            for key, value in row.items():
-                if isinstance(value, int | float) and key != "step" and math.isfinite(value):
-                    self._tb.add_scalar(key, value, step)
+        for tracker in self._loggers:
+            tracker.log(row, step)
         self._progress.update(
             {k: float(row[k]) for k in KEY_METRICS if isinstance(row.get(k), int | float)}
         )
 
     def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
+        for tracker in self._loggers:
+            tracker.close()
         self._progress.close()
 
 
