@@ -24,13 +24,16 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 GRACE_S = 20.0
 """Seconds the other ranks get to finish on their own after one rank failed."""
 
 RESUMABLE = 75
 """The trainer's exit status after a stop signal and its checkpoint."""
+
+EXIT_BAD_CONFIG = 2
+"""The trainer's exit status for a configuration that cannot run."""
 
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
@@ -60,12 +63,13 @@ def split_nproc(argv: Sequence[str]) -> tuple[int | None, list[str]]:
     return nproc, rest
 
 
-def check_then_launch(nproc: int, args: Sequence[str]) -> int:
+def check_then_launch(
+    nproc: int, args: Sequence[str], report: Callable[[str, Exception], None]
+) -> int:
     """Check the config and the layout of ``nproc`` local processes here, once (exit 2 with
-    the trainer's one message), then :func:`launch` them."""
-    from reco_megatron.config import ConfigError, HelpRequested, parse_cli
+    the trainer's one message, written by ``report(kind, exc)``), then :func:`launch` them."""
+    from reco_megatron.config import ConfigError, parse_cli
     from reco_megatron.launch_check import check_layout
-    from reco_megatron.train import EXIT_BAD_CONFIG, main, report_config_error
 
     if "LOCAL_RANK" in os.environ:
         sys.stderr.write(
@@ -85,10 +89,8 @@ def check_then_launch(nproc: int, args: Sequence[str]) -> int:
             nproc_per_node=nproc,
             gpus_per_node=gpus,
         )
-    except HelpRequested:
-        return main(list(args))  # the reference, printed once
     except (ConfigError, ValueError) as exc:
-        report_config_error(exc)
+        report("invalid configuration", exc)
         return EXIT_BAD_CONFIG
     return launch(nproc, args)
 

@@ -39,6 +39,7 @@ from reco_megatron.config import (
     load_config,
     parse_cli,
 )
+from reco_megatron.config.cli import HELP_FLAGS
 from reco_megatron.launcher import check_then_launch, split_nproc
 from reco_megatron.utils.logging import get_logger
 from reco_megatron.utils.noise import quiet_known_warnings
@@ -47,11 +48,6 @@ logger = get_logger(__name__)
 
 EXIT_BAD_CONFIG = 2
 """Exit status of a configuration that cannot run (reported before any compute)."""
-
-
-def report_config_error(exc: Exception) -> None:
-    """The one message of a configuration that cannot run (see :func:`_report`)."""
-    _report("invalid configuration", exc)
 
 
 def _report(kind: str, exc: Exception) -> None:
@@ -78,8 +74,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         _report("invalid command line", exc)
         return EXIT_BAD_CONFIG
-    if nproc is not None:
-        return check_then_launch(nproc, args)
+    if nproc is not None and not any(arg in HELP_FLAGS for arg in args):
+        return check_then_launch(nproc, args, _report)
     try:
         config_path, overrides = parse_cli(args)
         cfg = load_config(TrainConfig, config_path, overrides)
