@@ -141,7 +141,7 @@ def test_torchrun_reports_once(tmp_path: Path) -> None:
     assert proc.returncode != 0
     assert proc.stderr.count("num_query_groups=1 (key/value heads) is not divisible") == 1
     assert not out.exists()
-    assert proc.stderr.count("transformer-engine / apex are not installed") == 1  # rank 0 only
+    assert "known warning" not in proc.stderr  # before an error the notes are dropped
 
 
 def test_help_starts_with_a_usage_line(capsys) -> None:
