@@ -20,7 +20,9 @@ Run::
     python benchmarks/rollout_engines.py --gpu-1b --out rollout_engines.json   # GPU device check:
         # a ~1.2B Llama-3.2-1B-shaped model in bf16, 256 prompts x G 8 x 512 new tokens
 
-Not run on a GPU yet (no device was lent to the session that wrote it); ``--smoke`` runs on CPU.
+``--out FILE`` is rewritten (atomically) after each arm, with ``"complete": false`` until the
+end. Not run on a GPU yet (no device was lent to the session that wrote it); ``--smoke`` runs
+on CPU.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from reco_megatron.megatron.model import ModelConfig, build_model, transformer_c
 from reco_megatron.megatron.rollout_engine import MegatronDecoder
 from reco_megatron.rollout import EmbeddedEngine, EmbeddedEngineConfig, SamplingParams
 from reco_megatron.rollout.megatron_engine import MegatronEngine, MegatronEngineConfig
+from reco_megatron.utils.jsonfile import write_json
 
 GPU_1B = dict(  # Llama-3.2-1B shapes
     num_layers=16,
@@ -153,6 +156,12 @@ def main() -> None:
     }
     outs = {}
     arms = args.arms.split(",")
+
+    def save(complete: bool) -> None:  # after each arm: a run stopped later keeps it
+        if args.out:
+            write_json(args.out, {**result, "complete": complete})
+
+    save(False)
     if "megatron" in arms:
         decoder = MegatronDecoder(
             [model],
@@ -168,6 +177,7 @@ def main() -> None:
         )
         result["megatron"]["kv_cache_gib"] = decoder.kv_cache_bytes() / 2**30
         engine.close()
+        save(False)
     if "embedded" in arms:
         hf = hf_config_from_model_config(model_cfg)
         hf["eos_token_id"] = None
@@ -188,6 +198,7 @@ def main() -> None:
         )
         result["embedded"]["prompts"] = k
         emb.close()
+        save(False)
     if len(outs) == 2:
         pairs = [
             (a, b)
@@ -209,11 +220,8 @@ def main() -> None:
         result["speedup_megatron_over_embedded"] = (
             result["megatron"]["tokens_per_s"] / result["embedded"]["tokens_per_s"]
         )
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    save(True)
+    print(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

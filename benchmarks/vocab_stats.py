@@ -191,12 +191,20 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=None, help="GPU mode: NxV ...")
     parser.add_argument("--hidden", type=int, default=4096, help="GPU mode: H of the layer")
     parser.add_argument("--json", default=None, help="GPU mode: also write the rows here")
+    parser.add_argument(
+        "--skip",
+        default="",
+        help="GPU mode: leave out these methods (comma-separated fnmatch patterns)",
+    )
     args = parser.parse_args()
     if args.gpu or args.device:
         import vocab_stats_gpu  # beside this script
 
         shapes = args.shapes or list(vocab_stats_gpu.DEFAULT_SHAPES)
-        vocab_stats_gpu.run(shapes, args.hidden, args.reps, args.device or "cuda", args.json)
+        skip = tuple(p for p in args.skip.split(",") if p)
+        vocab_stats_gpu.run(
+            shapes, args.hidden, args.reps, args.device or "cuda", args.json, skip=skip
+        )
         return
 
     header = (

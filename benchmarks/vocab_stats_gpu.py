@@ -30,11 +30,17 @@ buffer of the logits' size counts 1.0x), and in GiB (for the layer rows that pea
 the weight and hidden gradients: subtract ``V H + N H`` bf16 for the target's "beyond inputs,
 outputs and weight gradient"). ``--device cpu`` runs the same code on tiny shapes
 (with ``TRITON_INTERPRET=1`` for the Triton methods) to check the script without a GPU.
+
+``--skip PATTERN,...`` leaves out the methods whose names match (``fnmatch``; the device check
+skips ``ours_compiled,ours_eager``, whose cold ``torch.compile`` costs about a minute).
+``--json FILE`` is rewritten (atomically) after each shape's op table and again after its
+layer table, with ``"complete": false`` until the end, so a run stopped by a time limit
+leaves every finished measurement readable.
 """
 
 from __future__ import annotations
 
-import json
+import fnmatch
 import os
 import statistics
 import tempfile
@@ -46,6 +52,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from reco_megatron.parallel import vocab_parallel_stats
+from reco_megatron.utils.jsonfile import write_json
 
 DEFAULT_SHAPES = ("8192x128256", "8192x64128", "32768x128256")
 BYTES_PER_LOGIT_BOUND = 6  # bf16: read (forward) + read (backward) + write (gradient)
@@ -228,7 +235,20 @@ def _init_single_process(device: str) -> None:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
 
 
-def run(shapes: list[str], hidden: int, reps: int, device: str, json_path: str | None) -> None:
+def run(
+    shapes: list[str],
+    hidden: int,
+    reps: int,
+    device: str,
+    json_path: str | None,
+    skip: tuple[str, ...] = (),
+) -> None:
+    """Measure every method not matched by a ``skip`` pattern (``fnmatch``) at each shape.
+
+    ``json_path`` is rewritten atomically after each shape's op rows and again after its
+    layer rows, with ``"complete": false`` until the end: a run stopped by a time limit
+    leaves every finished measurement in a readable file.
+    """
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--gpu needs a CUDA GPU (CUDA_VISIBLE_DEVICES must show one)")
     _init_single_process(device)
@@ -240,54 +260,84 @@ def run(shapes: list[str], hidden: int, reps: int, device: str, json_path: str |
         f"{torch.__version__}; copy bandwidth {bandwidth / 1e12:.3f} TB/s\n",
         flush=True,
     )
-    rows: list[dict] = []
+    report = {
+        "device": where,
+        "torch": torch.__version__,
+        "copy_bandwidth_Bps": bandwidth,
+        "shapes": shapes,
+        "hidden": hidden,
+        "reps": reps,
+        "skipped": sorted(
+            m
+            for m in {*op_methods(device), *layer_methods(device)}
+            if any(fnmatch.fnmatchcase(m, p) for p in skip)
+        ),
+        "complete": False,
+        "rows": [],
+    }
+
+    def emit(rows: list[dict]) -> None:
+        report["rows"] += rows
+        if json_path:
+            write_json(json_path, report)
+
+    emit([])
     gen = torch.Generator(device=device).manual_seed(0)
     for shape in shapes:
-        rows += _shape_rows(shape, hidden, reps, device, bandwidth, gen)
-        _print(rows, shape)
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump({"device": where, "copy_bandwidth_Bps": bandwidth, "rows": rows}, f, indent=1)
+        _shape_rows(shape, hidden, reps, device, bandwidth, gen, skip, emit)
+        _print(report["rows"], shape)
+    report["complete"] = True
+    emit([])
     dist.destroy_process_group()
 
 
+def _kept(methods: dict[str, Callable], skip: tuple[str, ...]) -> dict[str, Callable]:
+    return {m: f for m, f in methods.items() if not any(fnmatch.fnmatchcase(m, p) for p in skip)}
+
+
 def _shape_rows(
-    shape: str, hidden: int, reps: int, device: str, bandwidth: float, gen: torch.Generator
-) -> list[dict]:
-    """Both tables' rows for one ``NxV`` (its tensors are freed on return)."""
+    shape: str,
+    hidden: int,
+    reps: int,
+    device: str,
+    bandwidth: float,
+    gen: torch.Generator,
+    skip: tuple[str, ...],
+    emit: Callable[[list[dict]], None],
+) -> None:
+    """Both tables' rows for one ``NxV``, each table passed to ``emit`` as soon as it is
+    measured (the shape's tensors are freed on return)."""
     n, v = (int(x) for x in shape.split("x"))
     logits = (torch.randn(n, v, device=device, generator=gen) * 2).to(torch.bfloat16)
     target = torch.randint(0, v, (n,), device=device, generator=gen)
     bound = BYTES_PER_LOGIT_BOUND * n * v / bandwidth
-    rows = []
-    res = measure(
-        op_methods(device), lambda: (logits.clone().requires_grad_(), target), (0,), device, reps
-    )
-    rows += [
+    methods = _kept(op_methods(device), skip)
+    res = measure(methods, lambda: (logits.clone().requires_grad_(), target), (0,), device, reps)
+    rows = [
         {"kind": "op", "shape": shape, "method": m, "bound_s": bound, **r} for m, r in res.items()
     ]
+    emit([{**r, "peak_x_logits": r["peak_bytes"] / (n * v * 2)} for r in rows])
     logits = None  # freed before the layer tensors are made
     h = (torch.randn(n, hidden, device=device, generator=gen) * 0.05).to(torch.bfloat16)
     w = (torch.randn(v, hidden, device=device, generator=gen) * 0.05).to(torch.bfloat16)
     res = measure(
-        layer_methods(device),
+        _kept(layer_methods(device), skip),
         lambda: (h.clone().requires_grad_(), w.clone().requires_grad_(), target),
         (0, 1),
         device,
         reps,
     )
-    rows += [
-        {"kind": f"layer H={hidden}", "shape": shape, "method": m, **r} for m, r in res.items()
-    ]
-    for row in rows:
-        row["peak_x_logits"] = row["peak_bytes"] / (n * v * 2)
-    return rows
+    rows = [{"kind": f"layer H={hidden}", "shape": shape, "method": m, **r} for m, r in res.items()]
+    emit([{**r, "peak_x_logits": r["peak_bytes"] / (n * v * 2)} for r in rows])
 
 
 def _print(rows: list[dict], shape: str) -> None:
     print(f"| {shape} | method | ms | x bound / x matmuls | peak x logits | peak GiB |")
     print("|---|---|---|---|---|---|")
-    matmuls = next(r["seconds"] for r in rows if r["shape"] == shape and r["method"] == "matmuls")
+    matmuls = next(
+        (r["seconds"] for r in rows if r["shape"] == shape and r["method"] == "matmuls"),
+        float("nan"),  # left out with --skip
+    )
     for r in (r for r in rows if r["shape"] == shape):
         ratio = r["seconds"] / (r["bound_s"] if r["kind"] == "op" else matmuls)
         print(

@@ -75,7 +75,9 @@ def check_layout(
     Raises ``ValueError`` (the message says what to change) when: a process count is not
     positive; more processes per node than GPUs; TP larger than one node (tensor parallelism
     needs NVLink); the world size not divisible by TP x PP x CP; the model's heads or layers
-    not divisible by TP / PP. Raises :class:`ConfigError` for an invalid config.
+    not divisible by TP / PP; a batch split that does not fit the data-parallel size (prompts
+    over mini-batches x DP, micro-batches, the token budget: ``preflight.batch_problems``).
+    Raises :class:`ConfigError` for an invalid config.
     """
     from reco_megatron.config import load_config
     from reco_megatron.trainer.config import TrainConfig
@@ -108,6 +110,11 @@ def check_layout(
         )
     dp = par.data_parallel_size(world)  # raises with the fix when it does not divide
     par.validate_for_model(cfg.model, cfg.model.num_layers, on_gpu=on_gpu)
+    from reco_megatron.trainer.preflight import batch_problems
+
+    problems = batch_problems(cfg, dp)  # batch splits and the token budget at this DP
+    if problems:
+        raise ValueError("; ".join(problems))
     return Layout(tp=tp, pp=pp, cp=cp, dp=dp, world=world)
 
 

@@ -16,12 +16,16 @@ engine share the GPU). Presets:
 Run::
 
     python benchmarks/gpu/rl_step.py --preset 1b --out OUT_DIR      # OUT_DIR/rl_step.{json,md}
+
+``--checkpoint`` also saves the trainer's checkpoint after the last step (``save_s``; the
+device check's CPU rehearsal does, so that a module the save path needs, psutil, cannot be
+missing unnoticed). ``rl_step.json`` grows as the run goes (set-up, then one row per step,
+``"complete"`` at the end); ``rl_step.md`` is written at the end.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
@@ -64,49 +68,74 @@ COMMON = [
 PHASES = ("time_rollout", "time_reward", "time_old_logprob", "time_train", "time_sync")
 
 
-def run(preset: str, steps: int, out: Path) -> dict:
-    """Build the trainer, run ``steps`` RL steps, return the report."""
+def run(preset: str, steps: int, out: Path, checkpoint: bool = False) -> dict:
+    """Build the trainer, run ``steps`` RL steps, return the report.
+
+    ``out/rl_step.json`` is rewritten (atomically) after the set-up and after every step with
+    the steps so far and ``"complete": false`` until the end, so a run stopped by a time
+    limit keeps the set-up time and every finished step."""
     from reco_megatron.config import load_config
     from reco_megatron.trainer.config import TrainConfig
     from reco_megatron.trainer.loop import Trainer
+    from reco_megatron.utils.jsonfile import write_json
 
     overrides = [*PRESETS[preset], *COMMON, f"trainer.output_dir={out / 'run'}"]
     overrides.append(f"trainer.max_steps={steps}")
     cfg = load_config(TrainConfig, "examples/tiny_cpu.yaml", overrides)
     start = time.perf_counter()
     trainer = Trainer(cfg)
-    setup_s = time.perf_counter() - start
     device = trainer.engine.device
-    params = sum(p.numel() for chunk in trainer.engine.unwrapped() for p in chunk.parameters())
-    rows = []
-    try:
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            row = trainer.train_step()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            row["time_step"] = time.perf_counter() - t0
-            rows.append(row)
-    finally:
-        trainer.close()
-    last = rows[-1]
     cuda = device.type == "cuda"
     report = {
         "preset": preset,
         "device": torch.cuda.get_device_name(device) if cuda else "cpu",
         "torch": torch.__version__,
-        "parameters": params,
+        "parameters": sum(
+            p.numel() for chunk in trainer.engine.unwrapped() for p in chunk.parameters()
+        ),
         "params_dtype": cfg.model.params_dtype,
         "responses_per_step": cfg.rollout.prompts_per_step * cfg.rollout.group_size,
-        "response_len_mean": last["response_len_mean"],
-        "setup_s": setup_s,
+        "setup_s": time.perf_counter() - start,
         "steps": steps,
-        "last_step": {k: last[k] for k in (*PHASES, "time_step")},
-        "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
-        "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30 if cuda else None,
-        "logprob_mismatch": last["logprob_mismatch"],
-        "loss": last["loss"],
+        "rows": [],
+        "complete": False,
     }
+    write_json(out / "rl_step.json", report)
+    try:
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            row = trainer.train_step()
+            if cuda:
+                torch.cuda.synchronize(device)
+            row["time_step"] = time.perf_counter() - t0
+            report["rows"].append(
+                {
+                    k: row[k]
+                    for k in (*PHASES, "time_step", "response_len_mean", "logprob_mismatch", "loss")
+                }
+            )
+            if cuda:
+                report["peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+                report["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
+            write_json(out / "rl_step.json", report)
+        if checkpoint:  # megatron's distributed checkpoint of the whole state, as a run saves
+            t0 = time.perf_counter()
+            trainer.save()
+            report["save_s"] = time.perf_counter() - t0
+            write_json(out / "rl_step.json", report)
+    finally:
+        trainer.close()
+    last = report["rows"][-1]
+    report.update(
+        response_len_mean=last["response_len_mean"],
+        last_step={k: last[k] for k in (*PHASES, "time_step")},
+        peak_allocated_gib=report.get("peak_allocated_gib"),
+        peak_reserved_gib=report.get("peak_reserved_gib"),
+        logprob_mismatch=last["logprob_mismatch"],
+        loss=last["loss"],
+        complete=True,
+    )
+    write_json(out / "rl_step.json", report)
     return report
 
 
@@ -136,10 +165,12 @@ def main() -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="1b")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--checkpoint", action="store_true", help="save a checkpoint after the last step, timed"
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    report = run(args.preset, args.steps, args.out)
-    (args.out / "rl_step.json").write_text(json.dumps(report, indent=1) + "\n")
+    report = run(args.preset, args.steps, args.out, args.checkpoint)
     (args.out / "rl_step.md").write_text(markdown(report))
     print(markdown(report))
 

@@ -1,11 +1,12 @@
-"""The rollout batch one data-parallel rank trains on, and its split into micro-batches.
+"""The rollout batch one data-parallel rank trains on, and its split over data-parallel ranks.
 
 A :class:`RolloutBatch` holds *whole groups*: ``B = groups x G`` sequences of prompt +
 response tokens, right-padded to one length. Training predicts token ``t+1`` from position
 ``t``, so every per-token tensor the loss sees is aligned with ``labels = tokens[:, 1:]``
 (shape ``[B, S]`` with ``S = L - 1``): ``loss_mask[:, t]`` is 1 when ``tokens[:, t+1]`` is a
 response token. Getting this alignment wrong by one is the classic RL-trainer bug; it is
-done once, here.
+done once, here. Micro-batches (fixed or token-budget) are cut in
+:mod:`reco_megatron.megatron.microbatching`.
 """
 
 from __future__ import annotations
@@ -102,17 +103,6 @@ class RolloutBatch:
             if isinstance(getattr(self, f.name), torch.Tensor)
         }
         return replace(self, **out)
-
-
-def micro_batches(batch: RolloutBatch, micro_batch_size: int) -> list[RolloutBatch]:
-    """Consecutive slices of ``micro_batch_size`` sequences (B must be a multiple)."""
-    b = batch.num_sequences
-    if micro_batch_size < 1 or b % micro_batch_size:
-        raise ValueError(
-            f"{b} sequences cannot be split into micro-batches of {micro_batch_size}: choose "
-            "parallel.micro_batch_size dividing the per-rank batch (prompts x group size / DP)"
-        )
-    return [batch.select(slice(i, i + micro_batch_size)) for i in range(0, b, micro_batch_size)]
 
 
 def data_parallel_groups(

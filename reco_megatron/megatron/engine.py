@@ -32,17 +32,17 @@ import torch
 import torch.distributed as dist
 
 from reco_megatron.algo import LossConfig, response_weights
-from reco_megatron.megatron.batch import RolloutBatch, micro_batches
+from reco_megatron.megatron.batch import RolloutBatch
 from reco_megatron.megatron.device import collective_device, resolve_device
 from reco_megatron.megatron.distributed import ParallelConfig
 from reco_megatron.megatron.engine_metrics import reduce_metrics
 from reco_megatron.megatron.loss_layer import (
     LossContext,
-    make_forward_step,
     policy_loss_func,
     sft_loss_func,
     statistics_func,
 )
+from reco_megatron.megatron.microbatching import MicroBatchPlan, scatter_rows, with_plan_counters
 from reco_megatron.megatron.model import (
     ModelConfig,
     build_model,
@@ -50,6 +50,7 @@ from reco_megatron.megatron.model import (
     transformer_config,
 )
 from reco_megatron.megatron.optimizer import OptimConfig, build_optimizer, current_lr, wrap_ddp
+from reco_megatron.megatron.schedule import MicroBatcher
 from reco_megatron.parallel.vocab_stats_kernels import IMPLEMENTATIONS
 from reco_megatron.utils.logging import get_logger
 
@@ -73,14 +74,46 @@ class UpdateConfig:
     block, so the logits never exist whole (``parallel.linear_stats``; same losses and
     gradients as the unfused path). Off by default until measured faster on a GPU."""
 
+    max_tokens_per_microbatch: int | None = None
+    """Token budget of one micro-batch: each micro-batch runs at its own longest sequence
+    (rounded up to ``microbatch_length_multiple``), sequences grouped for the least padding
+    with ``rows x length <= budget``, in the old-policy, reference and update passes alike; the
+    loss and gradients do not change (docs/megatron-engine.md). At least the longest prompt +
+    response. null: fixed micro-batches of ``parallel.micro_batch_size`` sequences at the
+    batch's length."""
+    microbatch_length_multiple: int = 16
+    """With a token budget: micro-batch lengths are rounded up to this multiple (kernel-friendly
+    shapes), and to TP with sequence parallelism, 2 x CP with context parallelism."""
+    balance_data_parallel: bool = True
+    """With a token budget and DP > 1: exchange whole groups between data-parallel ranks
+    (within each global mini-batch) so that every rank gets about the same estimated compute,
+    attention included."""
+    sequence_packing: bool = False
+    """With a token budget: pack the sequences of a micro-batch into one row (THD, megatron's
+    ``PackedSeqParams``) instead of padded rows. Needs transformer-engine on a GPU; without it
+    the run logs one line and uses the padded token-budget micro-batches."""
+
     def __post_init__(self) -> None:
-        if not isinstance(self.fused_output_layer, bool):
+        for name in ("fused_output_layer", "balance_data_parallel", "sequence_packing"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(
+                    f"update.{name} must be true or false, got {getattr(self, name)!r}"
+                )
+        if self.sequence_packing and self.max_tokens_per_microbatch is None:
             raise ValueError(
-                f"update.fused_output_layer must be true or false, got {self.fused_output_layer!r}"
+                "update.sequence_packing=true needs update.max_tokens_per_microbatch (the "
+                "length of one packed row): set it, e.g. to max_prompt_len + max_new_tokens"
             )
-        for name in ("minibatches_per_rollout", "epochs_per_rollout"):
+        for name in (
+            "minibatches_per_rollout",
+            "epochs_per_rollout",
+            "microbatch_length_multiple",
+            "max_tokens_per_microbatch",
+        ):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if name == "max_tokens_per_microbatch" and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"update.{name} must be a positive integer, got {value!r}")
         if self.stats_implementation not in IMPLEMENTATIONS:
             raise ValueError(
@@ -117,6 +150,9 @@ class ReCoEngine:
         self.on_gpu = self.device.type == "cuda"
         parallel.validate_for_model(model, model.num_layers, self.on_gpu)
         self.config = transformer_config(model, parallel, self.on_gpu)
+        self.batcher = MicroBatcher(update, parallel, self.on_gpu)
+        """Micro-batches of every pass: fixed, token-budget or packed."""
+        self.batcher.configure(self.config)
         torch.manual_seed(seed)  # identical initial weights on every data-parallel replica
         self.model = wrap_ddp(self._build_chunks(), self.config, optim)
         self.optimizer, self.scheduler = build_optimizer(
@@ -135,6 +171,8 @@ class ReCoEngine:
             sequence_parallel=parallel.sequence_parallel,
         )
         self.optimizer_steps = 0
+        self.last_plan: MicroBatchPlan | None = None
+        """The micro-batch plan of the latest forward-only pass (metrics, tests)."""
 
     # ------------------------------------------------------------------ construction
     def _build_chunks(self) -> list[Any]:
@@ -178,21 +216,9 @@ class ReCoEngine:
 
     # ------------------------------------------------------------------ schedules
     def _run(self, model: list[Any], batch: RolloutBatch, loss_func: Any, forward_only: bool):
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        mbs = micro_batches(batch.to(self.device), self.parallel.micro_batch_size)
-        data: Any = iter(mbs)
-        if len(model) > 1:  # virtual pipeline: one iterator per chunk
-            data = [iter(mbs) for _ in model]
-        return get_forward_backward_func()(
-            forward_step_func=make_forward_step(loss_func, self.ctx, self.device),
-            data_iterator=data,
-            model=model,
-            num_microbatches=len(mbs),
-            seq_length=batch.seq_length,
-            micro_batch_size=self.parallel.micro_batch_size,
-            forward_only=forward_only,
-        )
+        """``(per-micro-batch outputs, plan)`` of one pass (``schedule.MicroBatcher``)."""
+        batch = batch.to(self.device)
+        return self.batcher.run(model, batch, loss_func, self.ctx, self.device, forward_only)
 
     def statistics(self, batch: RolloutBatch, reference: bool = False) -> dict[str, torch.Tensor]:
         """Forward-only per-token ``logprob``, ``sum_p2``, ``entropy`` ``[B, S]`` on the CPU
@@ -207,25 +233,33 @@ class ReCoEngine:
         for chunk in model:
             chunk.eval()
         with torch.no_grad():
-            parts = self._run(model, batch, statistics_func, forward_only=True)
+            parts, plan = self._run(model, batch, statistics_func, forward_only=True)
         for chunk in self.model:
             chunk.train()
+        self.last_plan = plan
         if not self.is_last_stage:
             return {}
-        return {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
+        s = batch.seq_length
+        return {key: scatter_rows([p[key] for p in parts], plan, s) for key in parts[0]}
 
     def prepare(self, batch: RolloutBatch) -> tuple[RolloutBatch, dict[str, float]]:
         """The old-policy pass, reference log-probs and response weights of a whole batch.
 
-        Returns the batch with ``old_logprobs``, ``old_sum_p2``, ``ref_logprobs`` and
-        ``weights`` filled, on the CPU, and the metrics of the pass."""
+        With a token budget, ``update.balance_data_parallel`` and DP > 1 the ranks first exchange
+        whole groups (``dp_balance``, collective): the returned batch then holds this rank's
+        balanced share of the same global mini-batches. Returns the batch with
+        ``old_logprobs``, ``old_sum_p2``, ``ref_logprobs`` and ``weights`` filled, on the CPU,
+        and the metrics of the pass."""
         metrics: dict[str, torch.Tensor] = {}
+        batch, balance = self.batcher.balance(batch, self.model_cfg.hidden_size)
         batch = batch.to(self.device)
         start = time.perf_counter()
         stats = self._statistics(batch, reference=False)
         elapsed = time.perf_counter() - start
         if not stats:
             return batch.to("cpu"), {"time_old_logprob": elapsed}
+        counters = {f"old_{k}": torch.tensor(v) for k, v in self.last_plan.counters().items()}
+        metrics.update(counters)
         mask = batch.loss_mask
         old = stats["logprob"]
         ref = self._statistics(batch, reference=True)["logprob"] if self.ref_model else None
@@ -253,6 +287,7 @@ class ReCoEngine:
             weights=weights,
         )
         out = reduce_metrics([metrics], weight_key="num_response_tokens/sum")
+        out.update(balance)
         out["time_old_logprob"] = elapsed
         return prepared.to("cpu"), out
 
@@ -285,8 +320,10 @@ class ReCoEngine:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         start = time.perf_counter()
-        parts = self._run(self.model, minibatch, policy_loss_func, forward_only=False)
+        parts, plan = self._run(self.model, minibatch, policy_loss_func, forward_only=False)
         middle = time.perf_counter()
+        if self.is_last_stage:
+            parts = with_plan_counters(parts, plan)
         metrics = reduce_metrics(parts if self.is_last_stage else [], weight_key="num_tokens/sum")
         metrics = self.broadcast_metrics(metrics)
         finite = self.grads_finite()
@@ -318,7 +355,7 @@ class ReCoEngine:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         try:
-            parts = self._run(self.model, batch, sft_loss_func, forward_only=False)
+            parts, _ = self._run(self.model, batch, sft_loss_func, forward_only=False)
             update_ok, grad_norm, _ = self.optimizer.step()
         finally:
             for group, value in zip(self.optimizer.param_groups, saved, strict=True):

@@ -60,6 +60,9 @@ class LossContext:
     """With the fused layer: the hidden states arrive sharded over the sequence."""
     output_weight: torch.Tensor | None = None
     """With the fused layer: this micro-batch's output weight ``[V/TP, H]``."""
+    packed: Any = None
+    """With packed sequences (``megatron/packing.py``): the packed labels ``[1, T]`` and the
+    layout; the statistics run on the packed row and come back as ``[B, S]``."""
 
 
 def denominator_share(mb: RolloutBatch, loss: LossConfig) -> torch.Tensor:
@@ -70,6 +73,9 @@ def denominator_share(mb: RolloutBatch, loss: LossConfig) -> torch.Tensor:
 
 
 def _stats(mb: RolloutBatch, ctx: LossContext, logits: torch.Tensor) -> TokenStats:
+    if ctx.packed is not None:  # THD: one packed row in, the micro-batch's [B, S] layout out
+        flat = _stats(ctx.packed, replace(ctx, packed=None), logits)
+        return TokenStats(*(ctx.packed.unpack(x, mb.seq_length) for x in flat))
     if ctx.fused_output_layer:
         return _fused_stats(mb, ctx, logits)
     # In-place backward: the gradient of the logits overwrites them (no second logits-sized

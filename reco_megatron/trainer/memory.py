@@ -93,10 +93,14 @@ def colocation_budget(
     gpu_bytes: int,
     distributed_optimizer: bool = True,
     reference_model: bool = False,
+    tokens_per_microbatch: int | None = None,
 ) -> ColocationBudget:
-    """The estimate for one rank (the first pipeline stage when it is the fuller one)."""
+    """The estimate for one rank (the first pipeline stage when it is the fuller one).
+    ``tokens_per_microbatch``: positions of one micro-batch (``update.max_tokens_per_microbatch``);
+    None: ``micro_batch_size x max_seq_len``, the fixed split's."""
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     cp, mb = parallel.context_parallel_size, parallel.micro_batch_size
+    tokens = tokens_per_microbatch or max_seq_len * mb
     n = sum(math.prod(shape) for shape in hf_shapes(model).values())
     p_bytes = DTYPE_BYTES[model.params_dtype]
     shard = n / (tp * pp)
@@ -104,10 +108,10 @@ def colocation_budget(
     opt_shard = shard / data_parallel_size if distributed_optimizer else shard
     h, f = model.hidden_size, model.ffn_hidden_size
     kv = model.query_groups * model.head_dim
-    per_layer = max_seq_len * mb * (10 * h + 4 * kv + 6 * f) / (tp * cp)
+    per_layer = tokens * (10 * h + 4 * kv + 6 * f) / (tp * cp)
     vp = parallel.virtual_pipeline_model_parallel_size or 1
     in_flight = model.num_layers * (1 + (pp - 1) / (pp * vp)) if pp > 1 else model.num_layers
-    logits = max_seq_len * mb * model.padded_vocab_size(tp) / (tp * cp) * (2 + 4 + 4)
+    logits = tokens * model.padded_vocab_size(tp) / (tp * cp) * (2 + 4 + 4)
     last_stage = per_layer * model.num_layers / pp + logits
     activations = max(per_layer * in_flight, last_stage)
     largest = max(math.prod(shape) for shape in hf_shapes(model).values())
@@ -208,6 +212,7 @@ def example_budgets(gpu_bytes: int = H100_80GB_BYTES) -> dict[str, ColocationBud
             gpu_bytes=gpu_bytes,
             distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
             reference_model=cfg.loss.kl_coef > 0,
+            tokens_per_microbatch=cfg.update.max_tokens_per_microbatch,
         )
     return out
 

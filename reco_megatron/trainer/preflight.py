@@ -85,8 +85,45 @@ def _layout(cfg: TrainConfig, world: int, problems: list[str]) -> int:
     return dp
 
 
+def _token_budget(cfg: TrainConfig, per_mini: int | None, problems: list[str]) -> None:
+    """A token budget must hold the longest prompt + response, and a virtual pipeline needs
+    a multiple of PP micro-batches, at most one per sequence."""
+    from reco_megatron.megatron.microbatching import length_multiple, round_up
+
+    u, par, r = cfg.update, cfg.parallel, cfg.rollout
+    budget = u.max_tokens_per_microbatch
+    multiple = length_multiple(
+        u.microbatch_length_multiple,
+        par.tensor_model_parallel_size,
+        par.sequence_parallel,
+        par.context_parallel_size,
+    )
+    longest = round_up(r.max_prompt_len + r.max_new_tokens - 1, multiple)
+    if budget < longest:
+        problems.append(
+            f"update.max_tokens_per_microbatch={budget} is below the longest sequence: "
+            f"rollout.max_prompt_len + max_new_tokens - 1 = "
+            f"{r.max_prompt_len + r.max_new_tokens - 1}, rounded up to a multiple of {multiple} "
+            f"= {longest}: set it to at least {longest}"
+        )
+    pp = par.pipeline_model_parallel_size
+    if par.virtual_pipeline_model_parallel_size and per_mini is not None and per_mini < pp:
+        problems.append(
+            f"with a virtual pipeline every mini-batch needs a multiple of PP = {pp} "
+            f"micro-batches, but a rank holds only {per_mini} sequences per mini-batch: raise "
+            "rollout.prompts_per_step or lower update.minibatches_per_rollout"
+        )
+    if u.sequence_packing and par.context_parallel_size > 1:
+        problems.append(
+            "update.sequence_packing=true with context_parallel_size > 1 is not supported: "
+            "set update.sequence_packing=false"
+        )
+
+
 def _batches(cfg: TrainConfig, dp: int, problems: list[str]) -> None:
     r, m, mbs = cfg.rollout, cfg.update.minibatches_per_rollout, cfg.parallel.micro_batch_size
+    budget = cfg.update.max_tokens_per_microbatch is not None
+    per_mini = None
     if r.prompts_per_step % (m * dp):
         problems.append(
             f"rollout.prompts_per_step={r.prompts_per_step} must be a multiple of "
@@ -94,19 +131,31 @@ def _batches(cfg: TrainConfig, dp: int, problems: list[str]) -> None:
         )
     else:
         per_mini = r.prompts_per_step // (m * dp) * r.group_size
-        if per_mini % mbs:
+        if per_mini % mbs and not budget:
             problems.append(
                 f"parallel.micro_batch_size={mbs} must divide the sequences of one mini-batch on "
                 f"one rank: prompts_per_step / (minibatches_per_rollout x DP) x group_size = "
                 f"{r.prompts_per_step} / ({m} x {dp}) x {r.group_size} = {per_mini}"
             )
+    if budget:
+        _token_budget(cfg, per_mini, problems)
     if cfg.sft.steps > 0:
         b = cfg.sft.batch_size
-        if b % dp or (b // dp) % mbs:
+        step = dp if budget else dp * mbs  # a token budget forms its own micro-batches
+        if b % step:
+            what = "" if budget else f" x parallel.micro_batch_size = {dp} x {mbs}"
             problems.append(
-                f"sft.batch_size={b} must be a multiple of data-parallel size x "
-                f"parallel.micro_batch_size = {dp} x {mbs} = {dp * mbs}"
+                f"sft.batch_size={b} must be a multiple of data-parallel size{what} = {step}"
             )
+
+
+def batch_problems(cfg: TrainConfig, data_parallel_size: int) -> list[str]:
+    """The problems of ``cfg``'s batch splits (prompts over mini-batches and data-parallel
+    ranks, sequences over micro-batches or the token budget, the SFT batch) at
+    ``data_parallel_size``: what the launch check adds to the layout checks."""
+    problems: list[str] = []
+    _batches(cfg, data_parallel_size, problems)
+    return problems
 
 
 def _path_problem(key: str, value: str, *, directory: bool = False) -> str | None:

@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from reco_megatron.algo import diversity_metrics, pass_at_k
 from reco_megatron.megatron.device import collective_device
+from reco_megatron.megatron.microbatching import step_batching_metrics
 
 
 def _mean(values: list[float]) -> float:
@@ -94,6 +95,7 @@ def global_row(
     row["logprob_mismatch"] = prep.get("logprob_mismatch", float("nan"))
     row["updates_skipped"] = sum(m.get("update_skipped", 0.0) for m in last)
     row["zero_adv_frac"] = float(adv_metrics.get("zero_adv_frac/mean", float("nan")))
+    row.update(step_batching_metrics(prep, last))  # pad_frac, micro-batches, DP balance
     for key, value in reward_metrics.items():
         # failures of the reward function: reward_health's reward_fail_* (global counts)
         if key == "reward/parse_failures/sum":

@@ -174,6 +174,7 @@ def warn_if_colocation_overflows(cfg: Any) -> list[str]:
         gpu_bytes=torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory,
         distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
         reference_model=cfg.loss.kl_coef > 0,
+        tokens_per_microbatch=cfg.update.max_tokens_per_microbatch,
     )
     messages = colocation_warnings(budget)
     for message in messages:

@@ -83,6 +83,32 @@ def test_layout_fits(name: str, nodes: int, line: str) -> None:
 
 
 @pytest.mark.parametrize(
+    "name",
+    [
+        "llama3.1-8b-instruct.yaml",
+        "qwen2.5-math-7b.yaml",
+        "llama3.1-70b.yaml",
+        "qwen2.5-math-1.5b.yaml",
+    ],
+)
+def test_examples_train_on_token_budget_micro_batches(name: str) -> None:
+    # token-budget micro-batches (and balanced DP ranks) are on in the large examples; the
+    # budget holds the longest prompt + response, and a launch check runs the batch checks
+    cfg = load_config(TrainConfig, ROOT / "examples" / name)
+    u, r = cfg.update, cfg.rollout
+    assert u.max_tokens_per_microbatch >= r.max_prompt_len + r.max_new_tokens
+    assert u.balance_data_parallel
+    with pytest.raises(ValueError, match="max_tokens_per_microbatch=2048 is below the longest"):
+        check_layout(
+            str(ROOT / "examples" / name),
+            ["update.max_tokens_per_microbatch=2048"],
+            nnodes=4,
+            nproc_per_node=8,
+            gpus_per_node=8,
+        )
+
+
+@pytest.mark.parametrize(
     ("overrides", "nodes", "nproc", "gpus", "needle"),
     [
         (["parallel.tensor_model_parallel_size=16"], 2, 8, 8, "must stay inside a node"),

@@ -93,15 +93,19 @@ def build_engine(
     model: ModelConfig | None = None,
     adam_eps: float = 1e-3,
     fused_output_layer: bool = False,
+    sequence_parallel: bool = False,
+    **update: Any,
 ) -> ReCoEngine:
     """An engine for the tiny model. ``adam_eps`` is large on purpose: Adam's first step is
     ``lr * g / (|g| + eps)``, which turns a 1e-9 fp32 reduction-order difference of a gradient
     near 0 into a difference of up to ``2 lr`` (a sign flip); with eps = 1e-3 the update is
-    Lipschitz in ``g`` with constant ``lr / eps`` and layouts can be compared tightly."""
+    Lipschitz in ``g`` with constant ``lr / eps`` and layouts can be compared tightly.
+    ``update``: further ``UpdateConfig`` fields (e.g. ``max_tokens_per_microbatch``)."""
     parallel = ParallelConfig(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         micro_batch_size=micro_batch_size,
+        sequence_parallel=sequence_parallel,
     )
     initialize_parallel(parallel, seed=1234)
     return ReCoEngine(
@@ -113,6 +117,7 @@ def build_engine(
             minibatches_per_rollout=minibatches,
             stats_implementation="eager",
             fused_output_layer=fused_output_layer,
+            **update,
         ),
         total_optimizer_steps=10,
     )

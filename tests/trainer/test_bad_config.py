@@ -49,6 +49,18 @@ def _jsonl(path: Path, rows: list[object]) -> str:
         (["rollout.prompts_per_step=6"], "2", "rollout.prompts_per_step=6 must be a multiple of"),
         (["parallel.micro_batch_size=3", "sft.steps=0"], "1", "parallel.micro_batch_size=3 must"),
         (["sft.batch_size=30"], "1", "sft.batch_size=30 must be a multiple of"),
+        (
+            ["update.max_tokens_per_microbatch=96"],  # tiny_cpu: prompts 80 + responses 24
+            "1",
+            "update.max_tokens_per_microbatch=96 is below the longest sequence: "
+            "rollout.max_prompt_len + max_new_tokens - 1 = 103, rounded up to a multiple of 16 "
+            "= 112: set it to at least 112",
+        ),
+        (
+            ["update.sequence_packing=true"],
+            "1",
+            "update.sequence_packing=true needs update.max_tokens_per_microbatch",
+        ),
         (["model.vocab_size=64"], "1", "model.vocab_size=64 is smaller than the tokenizer's 128"),
         (["data.tokenizer=nope/missing.model"], "1", "data.tokenizer='nope/missing.model'"),
         (["data.train_path=nope.jsonl"], "1", "data.train_path='nope.jsonl' does not exist"),

@@ -1,4 +1,5 @@
-"""The RL loop end to end on CPU: 3 steps at TP 1 and TP 2 give the same metrics.
+"""The RL loop end to end on CPU: 3 steps at TP 1, TP 2 and (token budget) DP 2 give the same
+metrics.
 
 The tiny run: countdown prompts, a 2-layer model with no warm-up (rewards are mostly 0, which
 still exercises every phase), 4 prompts x 4 responses, 2 mini-batches per rollout.
@@ -94,6 +95,25 @@ def test_tp2_metrics_equal_tp1(tp1: Path, tmp_path: Path) -> None:
         # The rollout engine received the TP-gathered weights: its log-probs equal the
         # TP 2 trainer's (an off-by-one alignment would show up here as a mismatch ~1).
         assert b["logprob_mismatch"] < 1e-4
+
+
+def test_token_budget_at_dp2_equals_the_fixed_split(tp1: Path, tmp_path: Path) -> None:
+    # Token-budget micro-batches with the groups balanced over 2 data-parallel ranks: the
+    # responses are seeded per prompt (layout-independent) and the loss is normalised over the
+    # global batch, so the metrics equal the fixed-split TP 1 run's; the micro-batching
+    # columns show the padding it saved.
+    out = tmp_path / "budget"
+    extra = ["update.max_tokens_per_microbatch=96", "update.microbatch_length_multiple=8"]
+    run_distributed(_run, 2, args=(str(out), extra), timeout=600)
+    for a, b in zip(_rows(tp1), _rows(out), strict=True):
+        for key in ("reward_mean", "response_len_mean", "unique_frac", "pass@4"):
+            assert a[key] == b[key], key
+        for key in ("loss", "entropy_mean", "clip_frac", "weight_mean", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], abs=1e-4, rel=1e-4), key
+        assert 0 <= b["pad_frac"] < a["pad_frac"]
+        assert b["microbatches_per_rank"] >= 1 and a["microbatches_per_rank"] == 2
+        assert b["dp_tokens_min"] <= b["dp_tokens_max"] <= 96 * b["microbatches_per_rank"]
+        assert b["balance_tokens_min"] <= b["balance_tokens_max"]
 
 
 def test_init_from_a_megatron_checkpoint(tp1: Path, tmp_path: Path) -> None:
