@@ -2,7 +2,7 @@
 
 Run on a machine with one CUDA GPU (TP 1, bf16)::
 
-    python benchmarks/vocab_stats.py --gpu                      # the issue-14 shapes
+    python benchmarks/vocab_stats.py --gpu                      # the target shapes
     python benchmarks/vocab_stats.py --gpu --shapes 8192x128256 --reps 10 --json out.json
 
 Statistics from logits ``[N, V]`` (forward + backward of the sum of the outputs):
@@ -27,7 +27,7 @@ bf16 logit: 2 read in forward, 2 read in backward, 2 written for the gradient) f
 measured in the same run, and the peak of ``torch.cuda.max_memory_allocated`` above the inputs
 during forward + backward, relative to the bf16 logits ``N x V x 2`` bytes (so a gradient
 buffer of the logits' size counts 1.0x), and in GiB (for the layer rows that peak includes
-the weight and hidden gradients: subtract ``V H + N H`` bf16 for the issue's "beyond inputs,
+the weight and hidden gradients: subtract ``V H + N H`` bf16 for the target's "beyond inputs,
 outputs and weight gradient"). ``--device cpu`` runs the same code on tiny shapes
 (with ``TRITON_INTERPRET=1`` for the Triton methods) to check the script without a GPU.
 

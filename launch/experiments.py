@@ -11,8 +11,14 @@ method (``reco_megatron.algo.config.PRESETS``); everything else comes from the c
     python -m launch.experiments --executor slurm --account ACCT --partition batch \\
         --nodes 1 --config examples/qwen2.5-math-1.5b.yaml
 
-    # print the scripts / sbatch files without running anything
+    # print the sbatch files (Slurm) or torchrun lines (local) without running anything
     python -m launch.experiments --executor slurm --account ACCT --dryrun --config ...
+
+Before anything is built, every variant goes through the launch scripts' layout check
+(``reco_megatron.launch_check``: nodes x processes against TP x PP x CP, heads, layers, the
+config itself): a layout that cannot run exits 2 with the fix, one line, and creates nothing
+(69 when this interpreter is not the project's environment). A dry run prints each rendered
+script unwrapped on stdout and leaves no experiment folder behind.
 
 Outputs: ``<output-root>/<variant>/`` (metrics.jsonl, checkpoints, plots) per variant.
 """
@@ -20,9 +26,13 @@ Outputs: ``<output-root>/<variant>/`` (metrics.jsonl, checkpoints, plots) per va
 from __future__ import annotations
 
 import argparse
+import logging
+import shlex
+import shutil
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from launch.executors import import_nemo_run, local_executor, slurm_executor, train_script
@@ -97,9 +107,90 @@ def ablation_experiment(
         yield exp
 
 
+def preflight(
+    config: str,
+    overrides: Sequence[str],
+    variants: Sequence[str],
+    *,
+    nnodes: int,
+    nproc_per_node: int,
+    gpus_per_node: int,
+    full_preset: bool = False,
+) -> list[str]:
+    """The problems (``"<variant>: <reason and fix>"``) of launching each variant on this
+    layout, checked as the Slurm scripts check (``reco_megatron.launch_check``); [] when all
+    fit. Raises ImportError when the project's dependencies are missing here."""
+    from reco_megatron.config import ConfigError
+    from reco_megatron.launch_check import check_layout
+
+    problems = []
+    for variant in variants:
+        try:
+            args = [*ablation_overrides(variant, full_preset=full_preset), *overrides]
+            check_layout(
+                config,
+                args,
+                nnodes=nnodes,
+                nproc_per_node=nproc_per_node,
+                gpus_per_node=gpus_per_node,
+            )
+        except (ConfigError, ValueError) as exc:
+            problems.append(f"{variant}: {' '.join(str(exc).split())}")
+    return problems
+
+
+def _nemorun_dirs(exp_dir: Path) -> list[Path]:
+    """``exp_dir`` and its parents up to NeMo-Run's home (``experiments/<title>/<id>``)."""
+    return [exp_dir, *list(exp_dir.parents)[:3]]
+
+
+def print_dryrun(exp: Any, executor_kind: str, stream: Any = None) -> None:
+    """Render ``exp`` without running it, write each task's script to ``stream`` (stdout)
+    unwrapped, and remove the folders the rendering created (NeMo-Run keeps an experiment
+    folder per dry run otherwise)."""
+    stream = stream or sys.stdout
+    home = Path(import_nemo_run().config.get_nemorun_home())
+    existed = {p for p in [home, home / "experiments", *home.glob("experiments/*")] if p.exists()}
+    torchx = logging.getLogger("torchx")  # "Log directory is: <a folder removed below>"
+    level = torchx.level
+    torchx.setLevel(logging.WARNING)
+    try:
+        exp.dryrun(log=False, delete_exp_dir=False)
+    finally:
+        torchx.setLevel(level)
+    exp_dir = Path(exp._exp_dir)
+    try:
+        for job in exp.jobs:
+            stream.write(f"# ---- {job.id} ({executor_kind}) ----\n")
+            sbatch = exp_dir / f"{job.id}_sbatch.sh"
+            if sbatch.is_file():
+                text = sbatch.read_text()
+                stream.write(text if text.endswith("\n") else text + "\n")
+            else:  # the local executor renders no file: the command it runs
+                task = job.task
+                env = " ".join(
+                    f"{k}={shlex.quote(v)}"
+                    for k, v in job.executor.env_vars.items()
+                    if k != "PATH"  # this interpreter's bin directory first: long, not news
+                )
+                nproc = job.executor.nproc_per_node()
+                args = shlex.join([task.path, *task.args])
+                stream.write(f"{env} torchrun --nproc-per-node {nproc} -m {args}\n")
+    finally:
+        shutil.rmtree(exp_dir, ignore_errors=True)
+        for folder in _nemorun_dirs(exp_dir)[1:]:
+            if folder not in existed and folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command line: see the module docstring. Returns the exit code."""
-    p = argparse.ArgumentParser(prog="python -m launch.experiments", description=__doc__)
+    """Command line: see the module docstring. Returns the exit code: 0, 2 (a variant that
+    cannot run on this layout, or a bad argument), 69 (not the project's environment)."""
+    p = argparse.ArgumentParser(
+        prog="python -m launch.experiments",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,  # keep the examples' lines
+    )
     p.add_argument("--executor", choices=("local", "slurm"), default="local")
     p.add_argument("--config", default="examples/tiny_cpu.yaml")
     p.add_argument("--output-root", default="runs/ablation")
@@ -117,6 +208,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--dryrun", action="store_true", help="render, do not run")
     p.add_argument("overrides", nargs="*", help="section.key=value trainer overrides")
     ns = p.parse_args(argv)
+    variants = [v for v in ns.variants.split(",") if v]
+    from reco_megatron.algo.config import PRESETS
+
+    unknown = [v for v in variants if v not in PRESETS]
+    if unknown:
+        p.error(f"--variants: unknown preset(s) {unknown}; valid: {', '.join(PRESETS)}")
+    local = ns.executor == "local"
+    try:
+        problems = preflight(
+            ns.config,
+            ns.overrides,
+            variants,
+            nnodes=1 if local else ns.nodes,
+            nproc_per_node=ns.nproc_per_node if local else ns.gpus_per_node,
+            gpus_per_node=0 if local else ns.gpus_per_node,
+            full_preset=ns.full_preset,
+        )
+    except ImportError as exc:
+        from reco_megatron.launch_check import EXIT_ENVIRONMENT, environment_problem
+
+        sys.stderr.write(f"launch.experiments: environment: {environment_problem(exc)}\n")
+        return EXIT_ENVIRONMENT
+    if problems:
+        # The variants share the layout, so they usually share the problem: say it once.
+        unique = list(dict.fromkeys(problem.split(": ", 1)[1] for problem in problems))
+        for problem in unique if len(unique) < len(problems) else problems:
+            sys.stderr.write(f"launch.experiments: cannot launch: {problem}\n")
+        return 2
     if ns.executor == "local":
         executor = local_executor(ns.nproc_per_node)
     else:
@@ -135,11 +254,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         config=ns.config,
         overrides=ns.overrides,
         output_root=ns.output_root,
-        variants=[v for v in ns.variants.split(",") if v],
+        variants=variants,
         full_preset=ns.full_preset,
     ) as exp:
         if ns.dryrun:
-            exp.dryrun()
+            print_dryrun(exp, ns.executor)
         else:
             # Local CPU runs share the cores: one after another. Slurm jobs run side by side.
             exp.run(sequential=ns.executor == "local", tail_logs=ns.executor == "local")

@@ -33,6 +33,7 @@ Exit status 2 on a bad input (missing checkpoint, empty dataset, kmax > n), with
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 from pathlib import Path
 from typing import Any
@@ -126,10 +127,36 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def missing_path_problem(path: str) -> str | None:
+    """Why ``path`` (a positional checkpoint argument) cannot be one, before anything else is
+    asked for: it does not exist (with the closest existing sibling, for a typo) or is a file.
+    None when it is a directory (what kind of checkpoint it is, is checked later)."""
+    p = Path(path)
+    if p.is_dir():
+        return None
+    if p.exists():
+        return f"checkpoint {path!r} is a file; pass a run directory or a checkpoint directory"
+    parent = p.parent if str(p.parent) else Path(".")
+    hint = ""
+    if parent.is_dir():
+        siblings = [c.name for c in parent.iterdir() if c.is_dir()]
+        close = difflib.get_close_matches(p.name, siblings, n=1, cutoff=0.6)
+        if close:
+            hint = f"; did you mean {str(parent / close[0])!r}?"
+    else:
+        hint = f" (nor does {str(parent)!r})"
+    return f"checkpoint {path!r} does not exist{hint}"
+
+
 def resolve_inputs(args: argparse.Namespace) -> tuple[list[tuple[str, str]], dict[str, Any]]:
     """``(label, checkpoint path)`` pairs and the inputs: flags, else the first run
     directory's config, else :data:`FALLBACKS`. A run directory stands for its checkpoints."""
     checkpoints, run = [], None
+    problems = [
+        p for spec in args.checkpoints if (p := missing_path_problem(parse_checkpoint(spec)[1]))
+    ]
+    if problems:  # the positional paths first: a typo is reported before any flag is asked for
+        raise ValueError("; ".join(problems))
     for spec in args.checkpoints:
         label, path = parse_checkpoint(spec)
         run_dir = run_dir_of(path)
@@ -146,12 +173,20 @@ def resolve_inputs(args: argparse.Namespace) -> tuple[list[tuple[str, str]], dic
     for key in ("data", "out"):
         if not inputs[key]:
             raise ValueError(f"--{key} is required unless a checkpoint is a reco-train run dir")
+    if not Path(inputs["data"]).is_file():
+        given = "--data" if args.data is not None else "the run's held-out set"
+        raise ValueError(f"{given} {inputs['data']!r} is not a file: pass --data PROBLEMS.jsonl")
     return checkpoints, inputs
 
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point; returns the exit status (2 on a bad input)."""
     args = build_parser().parse_args(argv)
+    try:  # before any import of torch or megatron-core: a typo is one line, at once
+        resolve_inputs(args)
+    except ValueError as exc:
+        logger.error("reco-eval: %s", exc)
+        return 2
     quiet_known_warnings()
     from reco_megatron.data.dataset import DatasetConfig, DatasetError
     from reco_megatron.eval.pipeline import EvalSettings, run_evaluation

@@ -7,8 +7,13 @@ fails in seconds with the fix, not after the job waited in the queue and loaded 
         examples/llama3.1-8b-instruct.yaml parallel.tensor_model_parallel_size=4
 
 On success it writes one line to stdout, ``TP=4 PP=1 CP=1 DP=4 WORLD=16``, and exits 0; on a
-bad fit (or an invalid config) it writes the reason and the fix to stderr and exits 2.
-``--gpus-per-node 0`` means a CPU run (gloo): the GPU checks are skipped.
+bad fit (or an invalid config) it writes the reason and the fix to stderr and exits 2. When
+the interpreter cannot import the project's dependencies (torch, PyYAML, ...: not the
+project's environment) it says which interpreter and what to do, and exits 69
+(:data:`EXIT_ENVIRONMENT`), so a launcher can tell "choose the environment" apart from "the
+layout does not fit" (``--quiet-environment`` leaves that message out, for a launcher that
+then runs the check inside a container). ``--gpus-per-node 0`` means a CPU run (gloo): the
+GPU checks are skipped.
 """
 
 from __future__ import annotations
@@ -18,7 +23,23 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from reco_megatron.config import ConfigError, load_config, parse_cli
+EXIT_CONFIG = 2
+"""Exit status of an invalid config or a layout that does not fit it."""
+EXIT_ENVIRONMENT = 69
+"""Exit status when this interpreter cannot import the project's dependencies (sysexits'
+EX_UNAVAILABLE)."""
+
+
+def environment_problem(exc: ImportError) -> str:
+    """The one-line explanation of an import failure: which interpreter, what is missing, how
+    to choose the project's environment instead."""
+    missing = exc.name or str(exc)
+    return (
+        f"{sys.executable} cannot import {missing!r} ({exc}): it is not the project's "
+        "environment. Activate it (source .venv/bin/activate) or point the launcher at its "
+        "interpreter (PYTHON=/path/to/venv/bin/python); to create one, see the README, "
+        "'Fresh machine'"
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,6 +79,7 @@ def check_layout(
     over mini-batches x DP, micro-batches, the token budget: ``preflight.batch_problems``).
     Raises :class:`ConfigError` for an invalid config.
     """
+    from reco_megatron.config import load_config
     from reco_megatron.trainer.config import TrainConfig
 
     if nnodes < 1 or nproc_per_node < 1 or gpus_per_node < 0:
@@ -107,8 +129,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--gpus-per-node", type=int, default=0, help="GPUs per node (0: a CPU run, gloo)"
     )
+    parser.add_argument(
+        "--quiet-environment",
+        action="store_true",
+        help=f"exit {EXIT_ENVIRONMENT} without a message when the project cannot be imported",
+    )
     parser.add_argument("args", nargs="*", help="CONFIG.yaml then dotted.key=value overrides")
     ns = parser.parse_args(argv)
+    try:  # everything that needs the project's dependencies (PyYAML, torch, megatron-core)
+        from reco_megatron.config import ConfigError, parse_cli
+        from reco_megatron.trainer import config as _train_config  # noqa: F401
+    except ImportError as exc:
+        if not ns.quiet_environment:
+            sys.stderr.write(f"reco launch check: environment: {environment_problem(exc)}\n")
+        return EXIT_ENVIRONMENT
     try:
         config_path, overrides = parse_cli(ns.args)
         layout = check_layout(
@@ -120,7 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     except (ConfigError, ValueError) as exc:
         sys.stderr.write(f"reco launch check failed: {exc}\n")
-        return 2
+        return EXIT_CONFIG
     sys.stdout.write(layout.line() + "\n")
     return 0
 

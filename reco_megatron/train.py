@@ -5,8 +5,8 @@ Run it::
     # 1 CPU process, the embedded tiny default (examples/tiny_cpu.yaml): ~minutes on 2 cores
     python -m reco_megatron.train examples/tiny_cpu.yaml
 
-    # 2 CPU processes, tensor parallel 2 (gloo)
-    torchrun --nproc-per-node 2 -m reco_megatron.train examples/tiny_cpu.yaml \\
+    # 2 CPU processes, tensor parallel 2 (gloo): reco-train starts and watches them itself
+    python -m reco_megatron.train --nproc-per-node 2 examples/tiny_cpu.yaml \\
         parallel.tensor_model_parallel_size=2
 
     # 1 node of 8 GPUs (nccl), Llama-3.1-8B-Instruct
@@ -16,6 +16,9 @@ Run it::
 
 Arguments: a YAML config, then ``section.key=value`` overrides (``--help-config`` lists every
 key with its type, default and meaning). The console script ``reco-train`` is the same.
+``--nproc-per-node N`` starts N local ranks the way ``torchrun`` would and answers like one
+process (:mod:`reco_megatron.launcher`): a bad config is one message and exit 2, not
+torchrun's ``ChildFailedError``.
 
 Exit status: 0 done; 2 invalid configuration; 3 stopped by a stability guard or because more
 than ``reward.max_failed_frac`` of a step's rewards failed; 75 stopped by
@@ -36,6 +39,8 @@ from reco_megatron.config import (
     load_config,
     parse_cli,
 )
+from reco_megatron.config.cli import HELP_FLAGS
+from reco_megatron.launcher import check_then_launch, split_nproc
 from reco_megatron.utils.logging import get_logger
 from reco_megatron.utils.noise import quiet_known_warnings
 
@@ -65,6 +70,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = list(sys.argv[1:] if argv is None else argv)
     try:
+        nproc, args = split_nproc(args)
+    except ValueError as exc:
+        _report("invalid command line", exc)
+        return EXIT_BAD_CONFIG
+    if nproc is not None and not any(arg in HELP_FLAGS for arg in args):
+        return check_then_launch(nproc, args, _report)
+    try:
         config_path, overrides = parse_cli(args)
         cfg = load_config(TrainConfig, config_path, overrides)
     except HelpRequested:
@@ -77,6 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from reco_megatron.megatron.checkpoint import CheckpointError
     from reco_megatron.trainer.guards import StabilityStop
     from reco_megatron.trainer.loop import Trainer
+    from reco_megatron.trainer.summary import process_seconds, summary_lines
 
     try:
         trainer = Trainer(cfg)
@@ -86,13 +99,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CheckpointError as exc:  # the checkpoint to resume or start from cannot be used
         _report("unusable checkpoint", exc)
         return EXIT_BAD_CONFIG
+    first_step = trainer.step
+    if (since_start := process_seconds()) is not None:  # imports and set-up, without SFT
+        trainer.phases["startup"] = since_start - trainer.phases.get("sft", 0.0)
     try:
         status = trainer.run()
     except StabilityStop as exc:
         logger.error("%s", exc)
         return 3
-    if status == 0:
-        logger.info("done: metrics, checkpoint and plot in %s", trainer.out)
+    if status == 0 and trainer.rank == 0:
+        for line in summary_lines(
+            trainer.out, trainer.phases, first_step=first_step, total_s=process_seconds()
+        ):
+            logger.info("%s", line)
     return status
 
 

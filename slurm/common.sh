@@ -11,7 +11,11 @@
 #   GPUS_PER_NODE    GPUs per node (default: $SLURM_GPUS_ON_NODE, else 0 = CPU/gloo)
 #   CONTAINER_IMAGE  pyxis image (e.g. nvcr.io#nvidia/pytorch:25.04-py3); empty = no container
 #   CONTAINER_MOUNTS pyxis mounts (default: the repo, and OUTPUT_DIR's parent)
-#   PYTHON           interpreter on the nodes (default: python; inside the container: python)
+#   PYTHON           the interpreter (default: the active virtual environment's, else the
+#                    repository's .venv/bin/python, else python3 on PATH; inside a container:
+#                    python). It must import torch and the project's dependencies: when it
+#                    cannot, the scripts say so and exit 69, apart from a layout that does not
+#                    fit the config, which exits 2.
 #   RDZV_PORT        c10d rendezvous port on the head node (default: 29500 + job id % 1000)
 #   DRY_RUN=1        print the srun/torchrun command line instead of running it
 #   LAUNCH_CHECK=0   skip the layout check (not recommended)
@@ -20,6 +24,31 @@
 
 reco_log() { printf '[reco %s] %s\n' "$(date +%T)" "$*" >&2; }
 reco_die() { printf 'reco: error: %s\n' "$*" >&2; exit 1; }
+
+# Exit status of the launch scripts, before anything is submitted or started:
+RECO_EXIT_CONFIG=2        # the config is invalid or the layout does not fit it (the fix is printed)
+RECO_EXIT_ENVIRONMENT=69  # no interpreter that can run the project (sysexits EX_UNAVAILABLE)
+reco_env_die() { printf 'reco: environment: %s\n' "$*" >&2; exit "$RECO_EXIT_ENVIRONMENT"; }
+
+# RECO_PYTHON: the interpreter for the layout check (and the trainer, without a container):
+# $PYTHON, else the active virtual environment, else the repository's .venv, else python3.
+reco_find_python() {
+  local how
+  if [ -n "${PYTHON:-}" ]; then
+    RECO_PYTHON=$PYTHON how="PYTHON"
+  elif [ -n "${VIRTUAL_ENV:-}" ] && [ -x "$VIRTUAL_ENV/bin/python" ]; then
+    RECO_PYTHON=$VIRTUAL_ENV/bin/python how="the active virtual environment"
+  elif [ -x "$RECO_ROOT/.venv/bin/python" ]; then
+    RECO_PYTHON=$RECO_ROOT/.venv/bin/python how="the repository's .venv"
+  else
+    RECO_PYTHON=$(command -v python3 || command -v python || true) how="PATH"
+  fi
+  if [ -z "$RECO_PYTHON" ] || ! command -v "$RECO_PYTHON" >/dev/null; then
+    reco_env_die "no Python interpreter found (${how}: '${RECO_PYTHON}'): create the project's" \
+      "environment (README, 'Fresh machine') and activate it, or set PYTHON=/path/to/venv/bin/python"
+  fi
+  RECO_PYTHON_FROM=$how
+}
 
 # The allocation: nodes, head node, job id. Outside Slurm (a dry run on a laptop) one node.
 reco_allocation() {
@@ -58,7 +87,8 @@ reco_export_env() {
 
 # Build RECO_CMD: srun [container] torchrun ... -m reco_megatron.train CONFIG overrides...
 reco_build_command() {
-  local python=${PYTHON:-python}
+  local python=$RECO_PYTHON
+  [ -n "${CONTAINER_IMAGE:-}" ] && python=${PYTHON:-python}  # the container's interpreter
   RECO_CMD=(srun --nodes="$NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1)
   if [ -n "${CONTAINER_IMAGE:-}" ]; then
     local mounts=${CONTAINER_MOUNTS:-$RECO_ROOT:$RECO_ROOT,$(dirname "$OUTPUT_DIR"):$(dirname "$OUTPUT_DIR")}
@@ -73,22 +103,36 @@ reco_build_command() {
 }
 
 # Fail fast when nodes x processes do not fit the config's TP x PP x CP (logic in Python).
+# Exit 2 when they do not fit (or the config is invalid), 69 when no interpreter here or in
+# the container can run the check (not the project's environment).
 reco_check_layout() {
   [ "${LAUNCH_CHECK:-1}" = 0 ] && return 0
-  local python=${PYTHON:-python} check=(-m reco_megatron.launch_check
-    --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE" --gpus-per-node "$GPUS_PER_NODE"
-    "$CONFIG" "$@")
-  local layout
-  if (cd "$RECO_ROOT" && "$python" -c 'import reco_megatron' 2>/dev/null); then
-    layout=$(cd "$RECO_ROOT" && "$python" "${check[@]}") || exit 2
-  elif [ -n "${CONTAINER_IMAGE:-}" ] && [ "${DRY_RUN:-0}" != 1 ]; then
+  local check=(--nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE"
+    --gpus-per-node "$GPUS_PER_NODE" "$CONFIG" "$@")
+  local layout rc=0 quiet=()
+  # With a container the job does not need a local environment: ask the check not to explain.
+  [ -n "${CONTAINER_IMAGE:-}" ] && quiet=(--quiet-environment)
+  layout=$(cd "$RECO_ROOT" \
+    && "$RECO_PYTHON" -m reco_megatron.launch_check "${quiet[@]}" "${check[@]}") || rc=$?
+  if [ "$rc" = "$RECO_EXIT_ENVIRONMENT" ] && [ -n "${CONTAINER_IMAGE:-}" ]; then
+    if [ "${DRY_RUN:-0}" = 1 ]; then
+      reco_log "layout check skipped: $RECO_PYTHON ($RECO_PYTHON_FROM) cannot import the" \
+        "project's dependencies here, and a dry run does not start $CONTAINER_IMAGE"
+      return 0
+    fi
+    rc=0
     layout=$(srun --nodes=1 --ntasks=1 --container-image="$CONTAINER_IMAGE" \
       --container-mounts="${CONTAINER_MOUNTS:-$RECO_ROOT:$RECO_ROOT}" \
-      --container-workdir="$RECO_ROOT" python "${check[@]}") || exit 2
-  else
-    reco_log "layout check skipped: $python cannot import reco_megatron here"
-    return 0
+      --container-workdir="$RECO_ROOT" "${PYTHON:-python}" -m reco_megatron.launch_check \
+      "${check[@]}") || rc=$?
   fi
+  case $rc in
+    0) ;;
+    "$RECO_EXIT_CONFIG") exit "$RECO_EXIT_CONFIG" ;;  # the check printed the problem and the fix
+    "$RECO_EXIT_ENVIRONMENT") exit "$RECO_EXIT_ENVIRONMENT" ;;  # it printed what is missing
+    *) reco_env_die "the layout check could not run under $RECO_PYTHON ($RECO_PYTHON_FROM)," \
+         "exit $rc: is it the project's environment? Set PYTHON=/path/to/venv/bin/python" ;;
+  esac
   reco_log "layout: $layout on $NNODES node(s) x $NPROC_PER_NODE process(es)"
 }
 
@@ -103,8 +147,12 @@ reco_forward_signal() {
 # The whole launch: allocation, env, check, then run (or print, with DRY_RUN=1).
 reco_launch() {
   [ -n "${CONFIG:-}" ] || reco_die "CONFIG is empty: CONFIG=examples/<model>.yaml sbatch ..."
-  [ -f "$RECO_ROOT/$CONFIG" ] || [ -f "$CONFIG" ] \
-    || reco_die "config $CONFIG not found (relative paths are from $RECO_ROOT)"
+  if ! [ -f "$RECO_ROOT/$CONFIG" ] && ! [ -f "$CONFIG" ]; then
+    printf 'reco: error: config %s not found (relative paths are from %s)\n' "$CONFIG" \
+      "$RECO_ROOT" >&2
+    exit "$RECO_EXIT_CONFIG"
+  fi
+  reco_find_python
   reco_allocation
   OUTPUT_DIR=${OUTPUT_DIR:-$RECO_ROOT/runs/${SLURM_JOB_NAME:-reco}}
   reco_export_env

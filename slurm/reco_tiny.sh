@@ -7,7 +7,8 @@
 #   NPROC_PER_NODE=2 sbatch --cpus-per-task=2 slurm/reco_tiny.sh parallel.tensor_model_parallel_size=2
 #   DRY_RUN=1 bash slurm/reco_tiny.sh
 #
-# PYTHON picks the interpreter (a venv with reco-megatron installed). Knobs: slurm/common.sh.
+# PYTHON picks the interpreter (default: the active venv, else .venv/bin/python). Knobs:
+# slurm/common.sh.
 #SBATCH --job-name=reco-tiny
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=1

@@ -10,7 +10,7 @@ engine share the GPU). Presets:
 
 * ``1b``: 16 layers x 2048 wide, SwiGLU 5632, 16 heads (MHA), bf16 parameters (~0.8B with the
   tiny tokenizer's 128-token vocabulary), 32 prompts x G 8 responses of <= 24 tokens,
-  2 mini-batches, micro-batch 8: the model the first GPU run used (issue 13).
+  2 mini-batches, micro-batch 8: the model the first GPU run used.
 * ``tiny``: the CI's tiny model (seconds on a CPU: what ``check.sh --cpu`` runs).
 
 Run::

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 Objective = Literal["ppo_clip", "reco", "cispo"]
 AdvantageMode = Literal["grpo", "dr_grpo", "rloo"]
@@ -47,6 +47,15 @@ class LossConfig:
     token-mean) without the KL term that the ``reco`` preset inherits from GRPO. See
     ``docs/loss.md`` for the formulas and :meth:`preset` for the baselines.
     """
+
+    PRESET_FIELD: ClassVar[str] = "preset"
+    """The config key naming a preset (``loss.preset: grpo`` in a file or on the command
+    line): the section starts from :meth:`preset` and its other keys change it from there."""
+
+    @classmethod
+    def preset_names(cls) -> tuple[str, ...]:
+        """The names :meth:`preset` accepts."""
+        return tuple(PRESETS)
 
     objective: Objective = "reco"
     """Per-token surrogate: ``ppo_clip`` (GRPO/DAPO, ``-min(rA, clip(r)A)``), ``reco``

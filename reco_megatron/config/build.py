@@ -31,6 +31,7 @@ from reco_megatron.config.schema import (
     is_dataclass_instance,
     is_dataclass_type,
     is_union,
+    preset_key,
     section_type,
     type_hints,
     type_name,
@@ -197,14 +198,27 @@ def _section_base(field: dataclasses.Field[Any], hint: Any, base: Any) -> Any:
     return default if is_dataclass_instance(default) else None
 
 
+def _preset_name(cls: type, name: Any, path: ConfigPath, problems: Problems) -> Any:
+    """``name`` when it is one of ``cls.preset_names()``, else FAIL with the reason."""
+    names = list(cls.preset_names())
+    if isinstance(name, str) and name in names:
+        return name
+    hint = did_you_mean(name, names).rstrip() if isinstance(name, str) else ""
+    return _expected(
+        problems, path, f"a preset, one of {', '.join(names)}", name, f"; {hint}" if hint else ""
+    )
+
+
 def build_dataclass(
     cls: type, value: Any, path: ConfigPath, problems: Problems, base: Any = None
 ) -> Any:
     """Instance of ``cls`` from mapping ``value`` (unset fields from ``base`` or defaults).
 
+    A class with a preset key (:func:`~reco_megatron.config.schema.preset_key`) given one in
+    ``value`` is built by ``cls.preset(name, **the other keys)`` instead of on ``base``.
     Unknown keys, missing required fields and wrong types are added to ``problems``; a
-    ``ValueError`` (or ``TypeError``) from ``__post_init__`` is added with the section path
-    in front. Returns FAIL if anything in this section or below it was wrong.
+    ``ValueError`` (or ``TypeError``) from ``__post_init__`` is added with the section path in
+    front. Returns FAIL if anything in this section or below it was wrong.
     """
     if isinstance(value, cls):
         return value
@@ -215,9 +229,16 @@ def build_dataclass(
     names = [f.name for f in fields]
     known = set(names)
     ok = True
+    preset = preset_key(cls)
+    chosen = None  # the preset's name: it gives every field the mapping leaves out
+    if preset is not None and preset in value:
+        chosen = _preset_name(cls, value[preset], (*path, preset), problems)
+        ok = chosen is not FAIL
+        value = {k: v for k, v in value.items() if k != preset}
     for key in value:
         if key not in known:
-            problems.add((*path, str(key)), unknown_key_message(key, names, path))
+            valid = [*names, preset] if preset is not None else names
+            problems.add((*path, str(key)), unknown_key_message(key, valid, path))
             ok = False
     kwargs: dict[str, Any] = {}
     for field in fields:
@@ -227,6 +248,8 @@ def build_dataclass(
             item = coerce(value[field.name], hint, (*path, field.name), problems, sub_base)
             ok = ok and item is not FAIL
             kwargs[field.name] = item
+        elif chosen is not None:
+            continue
         elif base is not None:
             kwargs[field.name] = getattr(base, field.name)
         elif not has_default(field):
@@ -235,7 +258,7 @@ def build_dataclass(
     if not ok:
         return FAIL
     try:
-        return cls(**kwargs)
+        return cls.preset(chosen, **kwargs) if chosen is not None else cls(**kwargs)
     except (ValueError, TypeError) as exc:
         kind = "" if isinstance(exc, ValueError) else f"{type(exc).__name__} in validation: "
         problems.add(path, f"{kind}{exc}" if path else f"{cls.__name__}: {kind}{exc}")

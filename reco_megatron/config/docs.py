@@ -28,12 +28,18 @@ from reco_megatron.config.schema import (
     init_fields,
     is_dataclass_instance,
     is_dataclass_type,
+    preset_key,
     section_type,
     type_hints,
     type_name,
 )
 
 _WIDTH = 96
+
+
+def _preset_doc(cls: type, names: tuple[str, ...]) -> str:
+    doc = _own_field_docs(cls).get("PRESET_FIELD") or _first_paragraph(cls.preset.__doc__)
+    return doc + (f" One of: {', '.join(names)}." if names else "")
 
 
 @functools.cache
@@ -93,6 +99,11 @@ def _wrap(text: str, indent: str) -> list[str]:
 def _describe(cls: type, prefix: str, base: Any, lines: list[str], stack: tuple[type, ...]) -> None:
     hints = type_hints(cls)
     docs = field_docs(cls)
+    preset = preset_key(cls)
+    if preset is not None:
+        names = tuple(cls.preset_names())
+        lines.append(f"{prefix}{preset}: str (optional)")
+        lines.extend(_wrap(_preset_doc(cls, names), "    "))
     for field in init_fields(cls):
         key = f"{prefix}{field.name}"
         hint = hints[field.name]

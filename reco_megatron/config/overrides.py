@@ -25,6 +25,7 @@ from reco_megatron.config.schema import (
     dict_value_type,
     init_fields,
     is_dataclass_instance,
+    preset_key,
     section_type,
     type_hints,
     type_name,
@@ -106,8 +107,13 @@ def apply_override(raw: dict[str, Any], cls: type, override: Override, problems:
         default: Any = None
         if section is not None:
             fields = {f.name: f for f in init_fields(section)}
+            if part == preset_key(section) and i == len(override.key) - 1:
+                node[part] = override.value  # applied first when the section is built
+                problems.set_origin((*path, part), override.text)
+                return
             if part not in fields:
-                message = unknown_key_message(part, list(fields), path)
+                valid = [*fields, *filter(None, [preset_key(section)])]
+                message = unknown_key_message(part, valid, path)
                 problems.add((*path, part), f"{message} (in override {override.text!r})")
                 return
             next_tp = type_hints(section)[part]

@@ -56,6 +56,20 @@ def type_hints(cls: type) -> dict[str, Any]:
         ) from exc
 
 
+def preset_key(cls: type) -> str | None:
+    """The key that names a preset in a section of class ``cls``, or None.
+
+    A config class opts in with ``PRESET_FIELD: ClassVar[str] = "preset"`` and two
+    classmethods: ``preset_names()`` and ``preset(name, **fields) -> instance`` (the preset's
+    field values with ``fields`` on top). In a file or an override, ``section.preset: NAME``
+    then builds the section as ``cls.preset(NAME, **its other keys)`` instead of on the
+    default, wherever those keys are written (``loss: {preset: grpo, eps_high: 0.28}``).
+    """
+    key = getattr(cls, "PRESET_FIELD", None)
+    methods = all(callable(getattr(cls, m, None)) for m in ("preset", "preset_names"))
+    return key if isinstance(key, str) and methods else None
+
+
 def has_default(field: dataclasses.Field[Any]) -> bool:
     """Whether the field may be left out of a config."""
     return field.default is not dataclasses.MISSING or field.default_factory is not (

@@ -10,6 +10,7 @@ to 16 (see ``docs/evaluation.md``).
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -172,12 +173,29 @@ def fit_max_new_tokens(settings: EvalSettings, longest_prompt: int, contexts: li
 
 
 def run_evaluation(settings: EvalSettings) -> dict[str, Any]:
-    """Evaluate every checkpoint; write the outputs; return ``{"entries", "paths"}``."""
-    out = Path(settings.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    """Evaluate every checkpoint; write the outputs; return ``{"entries", "paths"}``.
+
+    The inputs are checked before ``out_dir`` is created; when the evaluation fails, an
+    ``out_dir`` it created is removed again unless something was written into it (e.g. an
+    export, reused by the next call).
+    """
     for _, path in settings.checkpoints:  # fail fast, before any export or sampling
         checkpoint_kind(path)
+    if not Path(settings.data).is_file():
+        raise FileNotFoundError(f"data file {settings.data!r} does not exist")
     answer_key = resolve_answer_key(settings.answer_key_spec())
+    out = Path(settings.out_dir)
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        return _evaluate(settings, out, answer_key)
+    except BaseException:
+        if created and not any(p.is_file() for p in out.rglob("*")):
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+
+
+def _evaluate(settings: EvalSettings, out: Path, answer_key: Any) -> dict[str, Any]:
     hf_dirs = [(label, as_hf_dir(path, out / "exported")) for label, path in settings.checkpoints]
     tok_spec = settings.tokenizer or str(hf_dirs[0][1])
     tokenizer = load_tokenizer(tok_spec)
@@ -237,7 +255,13 @@ def run_evaluation(settings: EvalSettings) -> dict[str, Any]:
     rows = [(e["label"], e["summary"]) for e in entries]
     paths = {
         "json": report.write_json(out / "passk.json", entries),
-        "png": report.plot_passk(out / "passk.png", rows, title=Path(settings.data).name),
+        "png": report.plot_passk(
+            out / "passk.png",
+            rows,
+            bands=report.problem_bands(entries),
+            title=report.passk_title(entries[0]["protocol"], len(entries[0]["problems"])),
+            note="bands: 95% bootstrap interval over problems",
+        ),
     }
     md = out / "passk.md"
     md.write_text(report.markdown_table(rows), encoding="utf-8")

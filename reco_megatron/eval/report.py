@@ -17,6 +17,10 @@ from typing import Any
 from reco_megatron.eval.metrics import ProblemResult
 
 DIVERSITY_KEYS: tuple[str, ...] = ("unique_frac", "distinct_2", "rare_correct_frac", "solved_frac")
+COUNT_KEYS: tuple[str, ...] = ("distinct_correct",)
+"""Summary numbers that are counts per problem (tables print them as they are, not as %)."""
+TABLE_KEYS: tuple[str, ...] = (*DIVERSITY_KEYS, *COUNT_KEYS)
+"""The columns after pass@k in ``passk.md`` (those a summary has)."""
 
 
 def entry(
@@ -57,11 +61,12 @@ def ks_of(summary: Mapping[str, float]) -> list[int]:
 def markdown_table(
     rows: Sequence[tuple[str, Mapping[str, float]]],
     spread: Mapping[str, Mapping[str, float]] | None = None,
-    extra_keys: Sequence[str] = DIVERSITY_KEYS,
+    extra_keys: Sequence[str] = TABLE_KEYS,
 ) -> str:
     """A markdown table, one row per ``(label, summary)``: pass@k in percent, then the
-    diversity columns. ``spread[label][key]`` (same units as the summary) is printed as
-    ``+- x`` next to the value when given."""
+    diversity columns (percent) and the counts (``distinct_correct``: distinct correct
+    solutions per problem, as is). ``spread[label][key]`` (same units as the summary) is
+    printed as ``+- x`` next to the value when given."""
     if not rows:
         raise ValueError("nothing to tabulate")
     ks = ks_of(rows[0][1])
@@ -70,10 +75,11 @@ def markdown_table(
     for label, summary in rows:
         cells = []
         for key in keys:
-            value = 100.0 * summary.get(key, float("nan"))
-            cell = f"{value:.1f}"
+            scale, digits = (1.0, 2) if key in COUNT_KEYS else (100.0, 1)
+            value = scale * summary.get(key, float("nan"))
+            cell = f"{value:.{digits}f}"
             if spread is not None and key in spread.get(label, {}):
-                cell += f" ± {100.0 * spread[label][key]:.1f}"
+                cell += f" ± {scale * spread[label][key]:.{digits}f}"
             cells.append(cell)
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
@@ -104,15 +110,17 @@ def curve_styles(
     return styles
 
 
-def plot_passk(
-    path: str | Path,
+def passk_figure(
     curves: Sequence[tuple[str, Mapping[str, float]]],
     bands: Mapping[str, tuple[Mapping[str, float], Mapping[str, float]]] | None = None,
     title: str = "pass@k",
-) -> Path:
-    """PNG of pass@k against k (log2 x axis), one line per ``(label, summary)``.
+    note: str = "",
+) -> Any:
+    """The figure of pass@k against k (log2 x axis, y from 0 to 100 %), one line per
+    ``(label, summary)``.
 
-    ``bands[label] = (low, high)`` summaries shade the spread (e.g. min/max over seeds).
+    ``bands[label] = (low, high)`` summaries shade the spread (an interval over problems,
+    min/max over seeds); ``note`` goes under the plot (what the band is).
     """
     import matplotlib
 
@@ -135,17 +143,69 @@ def plot_passk(
                 alpha=0.15,
             )
     ax.set_xscale("log", base=2)
+    if curves:
+        ks_all = ks_of(curves[0][1])
+        ax.set_xticks(ks_all, [str(k) for k in ks_all])
+        ax.minorticks_off()
     ax.set_xlabel("k (samples)")
     ax.set_ylabel("pass@k (%)")
-    ax.set_title(title)
+    ax.set_ylim(0, 100)  # a difference of a few problems must not look like a result
+    ax.set_title(title, fontsize=10)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
+    ax.legend(fontsize=8, loc="lower right")
+    if note:
+        fig.text(0.01, 0.01, note, fontsize=7, color="0.35", ha="left", va="bottom")
+    fig.tight_layout(rect=(0, 0.04 if note else 0, 1, 1))
+    return fig
+
+
+def plot_passk(
+    path: str | Path,
+    curves: Sequence[tuple[str, Mapping[str, float]]],
+    bands: Mapping[str, tuple[Mapping[str, float], Mapping[str, float]]] | None = None,
+    title: str = "pass@k",
+    note: str = "",
+) -> Path:
+    """:func:`passk_figure` written as a PNG to ``path``."""
+    import matplotlib.pyplot as plt
+
+    fig = passk_figure(curves, bands, title, note)
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)
     plt.close(fig)
     return out
+
+
+def passk_title(protocol: Mapping[str, Any], problems: int) -> str:
+    """``pass@k on eval.jsonl: 24 problems, n = 16 samples, T = 0.6, top-p 0.95``."""
+    data = Path(str(protocol.get("data", ""))).name or "held-out problems"
+    return (
+        f"pass@k on {data}: {problems} problems, n = {protocol.get('n')} samples, "
+        f"T = {protocol.get('temperature')}, top-p {protocol.get('top_p')}"
+    )
+
+
+def problem_bands(
+    entries: Sequence[Mapping[str, Any]], level: float = 0.95, n_boot: int = 2000
+) -> dict[str, tuple[dict[str, float], dict[str, float]]]:
+    """Per checkpoint label, the percentile bootstrap interval over problems of each pass@k
+    (resampling the problems, so a curve's band says how much a different draw of problems
+    of the same kind would move it): ``{label: (low summary, high summary)}``."""
+    import numpy as np
+
+    from reco_megatron.algo.passk import pass_at_k
+    from reco_megatron.eval.stats import bootstrap_ci
+
+    bands = {}
+    for e in entries:
+        low, high = {}, {}
+        n = np.array([p["n"] for p in e["problems"]])
+        c = np.array([p["correct"] for p in e["problems"]])
+        for k in ks_of(e["summary"]):
+            low[f"pass@{k}"], high[f"pass@{k}"] = bootstrap_ci(pass_at_k(n, c, k), level, n_boot)
+        bands[e["label"]] = (low, high)
+    return bands
 
 
 def plot_over_training(path: str | Path, rows: Sequence[Mapping[str, Any]]) -> Path | None:

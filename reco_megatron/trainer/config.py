@@ -20,7 +20,9 @@ from reco_megatron.megatron.model import ModelConfig
 from reco_megatron.megatron.optimizer import OptimConfig
 from reco_megatron.rewards.pool import RewardPoolConfig
 from reco_megatron.rollout.vllm_requests import VLLM_MAX_TEMPERATURE, VLLM_MIN_TEMPERATURE
+from reco_megatron.trainer import loggers
 from reco_megatron.trainer.guards import StabilityConfig
+from reco_megatron.trainer.loggers import LoggerName
 
 
 def _check_ints(obj: object, hints: dict[str, str] | None = None, **minimum: int) -> None:
@@ -177,15 +179,29 @@ class TrainerConfig:
     """Seed of everything (weights, data order, sampling)."""
     output_dir: str = "runs/reco"
     """Metrics, resolved config, checkpoints and plots go here."""
+    loggers: list[LoggerName] = field(default_factory=lambda: ["tensorboard"])
+    """Experiment trackers next to metrics.jsonl, any of ``tensorboard``, ``wandb``, ``mlflow``
+    (rank 0; offline unless a server is configured: trainer/loggers.py). W&B or MLflow listed
+    but not installed is an error before the run starts (TensorBoard: a note); ``[]``: none."""
+    project: str = "reco-megatron"
+    """The W&B project / MLflow experiment the run is logged under (its name: the output
+    directory's)."""
     log_interval: int = 1
     """Steps between log lines (metrics.jsonl gets every step)."""
     tensorboard: bool = True
-    """Also write TensorBoard events when tensorboard is installed."""
+    """``false`` turns the ``tensorboard`` logger off even when ``loggers`` lists it (and its
+    "not installed" note); older configs set it."""
     progress: bool = True
     """A progress bar on rank 0 (tqdm or rich when installed)."""
 
     def __post_init__(self) -> None:
         _check_ints(self, {"max_steps": "0 runs the SFT warm-up only"}, max_steps=0, log_interval=1)
+        absent = loggers.missing([n for n in self.loggers if n != "tensorboard"])
+        if absent:
+            raise ValueError(
+                f"loggers={self.loggers} but not installed: {'; '.join(absent)}; or remove it "
+                "from trainer.loggers"
+            )
 
 
 @dataclass(kw_only=True)

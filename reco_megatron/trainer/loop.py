@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from reco_megatron.algo import group_advantages
-from reco_megatron.config import dump_config
+from reco_megatron.config import config_to_dict, dump_config
 from reco_megatron.data.chat import PromptFormatter
 from reco_megatron.data.sampler import PromptSampler
 from reco_megatron.megatron.batch import data_parallel_groups, data_parallel_share
@@ -42,6 +42,7 @@ from reco_megatron.trainer.metrics_writer import (
     truncate_jsonl,
 )
 from reco_megatron.trainer.preflight import preflight
+from reco_megatron.trainer.progress import announce_startup, sft_progress
 from reco_megatron.trainer.rollout_agreement import agree_on_completions
 from reco_megatron.trainer.rollout_batch import build_rollout_batch
 from reco_megatron.trainer.step_metrics import global_row, rollout_counters
@@ -56,7 +57,9 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
+        self.phases: dict[str, float] = {}  # seconds per phase, for the end-of-run summary
         checked = preflight(cfg)  # ConfigError before anything is created or computed
+        announce_startup(cfg)
         self.out = setup.prepare_output_dir(cfg.trainer.output_dir)
         initialize_parallel(cfg.parallel, seed=cfg.trainer.seed)
         self.layout = rank_layout()
@@ -113,8 +116,12 @@ class Trainer:
                 self.out,
                 cfg.trainer.max_steps,
                 tensorboard=cfg.trainer.tensorboard,
+                loggers=cfg.trainer.loggers,
+                project=cfg.trainer.project,
+                run_config=config_to_dict(cfg),
                 progress=cfg.trainer.progress and self.step < cfg.trainer.max_steps,
                 initial_step=self.step,
+                log_interval=cfg.trainer.log_interval,
             )
             if self.rank == 0
             else None
@@ -165,17 +172,14 @@ class Trainer:
             countdown=self.cfg.data.countdown,
         )
         start = time.perf_counter()
-        for i, batch in enumerate(batches):
+        progress = sft_progress(len(batches), self.rank == 0, self.cfg.trainer.progress)
+        for batch in batches:
             share = data_parallel_share(batch, self.dp_rank, self.dp_size, 1)
             metrics = self.engine.sft_step(share, sft.lr)
-            if i % 10 == 0 or i == len(batches) - 1:
-                logger.info(
-                    "sft step %d/%d nll %.4f",
-                    i + 1,
-                    len(batches),
-                    metrics.get("loss", float("nan")),
-                )
-        logger.info("sft warm-up: %d steps in %.1f s", len(batches), time.perf_counter() - start)
+            progress.update({"nll": metrics.get("loss", float("nan"))})
+        progress.close()
+        self.phases["sft"] = time.perf_counter() - start
+        logger.info("sft warm-up: %d steps in %.1f s", len(batches), self.phases["sft"])
 
     # ------------------------------------------------------------------ one step
     def _generate(self, indices: list[int]) -> tuple[list[list[int]], list[Any], list[str], bool]:
@@ -300,6 +304,7 @@ class Trainer:
                 self.step,
                 cfg.trainer.max_steps,
             )
+        rl_start = time.perf_counter()
         try:
             self._evaluate_coverage()
             while self.step < cfg.trainer.max_steps:
@@ -323,6 +328,7 @@ class Trainer:
             if status == 0 and not (self.ckpt_root / f"step_{self.step:08d}").exists():
                 self.save()
         finally:
+            self.phases["rl"] = time.perf_counter() - rl_start
             stop.restore()
             self.close()
         if status == 0 and self.rank == 0 and (self.out / "metrics.jsonl").exists():

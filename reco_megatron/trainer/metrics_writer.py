@@ -1,19 +1,26 @@
-"""Per-step metrics: ``metrics.jsonl`` (one JSON object per step), TensorBoard, a progress
-bar, and the reward / pass@k plot written at the end of a run. Rank 0 only."""
+"""Per-step metrics: ``metrics.jsonl`` (one JSON object per step), TensorBoard, progress (a
+bar, or lines where no bar can be drawn: :mod:`reco_megatron.trainer.progress`), and the
+plots written at the end of a run (:mod:`reco_megatron.trainer.plots`). Rank 0 only."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from reco_megatron.trainer import loggers as loggers_mod
+from reco_megatron.trainer.plots import plot_training_curves
+from reco_megatron.trainer.progress import StepProgress
 from reco_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
-KEY_METRICS = ("loss", "reward_mean", "entropy_mean", "clip_frac", "weight_ess", "grad_norm")
+__all__ = ["KEY_METRICS", "MetricsWriter", "plot_training_curves", "read_metrics", "truncate_jsonl"]
+
+KEY_METRICS = ("reward_mean", "unique_frac", "loss", "entropy_mean", "clip_frac", "grad_norm")
 
 
 def _clean(value: Any) -> Any:
@@ -23,8 +30,9 @@ def _clean(value: Any) -> Any:
 
 
 class MetricsWriter:
-    """Appends one line per step to ``<output_dir>/metrics.jsonl`` (and TensorBoard); the
-    progress bar (``progress``) counts from ``initial_step`` to ``total_steps``."""
+    """Appends one line per step to ``<output_dir>/metrics.jsonl`` and to the ``loggers``
+    (TensorBoard, W&B, MLflow: :mod:`reco_megatron.trainer.loggers`); the progress counts
+    from ``initial_step`` to ``total_steps``."""
 
     def __init__(
         self,
@@ -34,57 +42,46 @@ class MetricsWriter:
         tensorboard: bool,
         progress: bool,
         initial_step: int = 0,
+        log_interval: int = 1,
+        loggers: Sequence[str] = ("tensorboard",),
+        project: str = "reco-megatron",
+        run_config: Mapping[str, Any] | None = None,
     ):
         self.path = output_dir / "metrics.jsonl"
         self.output_dir = output_dir
-        self._tb = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self._tb = SummaryWriter(str(output_dir / "tensorboard"))
-            except ImportError:
-                logger.info("tensorboard is not installed: metrics go to metrics.jsonl only")
-        self._bar = None
-        if progress:
-            try:
-                from tqdm import tqdm
-
-                self._bar = tqdm(
-                    total=total_steps,
-                    initial=initial_step,  # a resumed run's bar starts where it stopped
-                    desc="reco",
-                    unit="step",
-                    dynamic_ncols=True,
-                )
-            except ImportError:
-                pass
+        names = list(loggers)
+        if not tensorboard:
+            names = [n for n in names if n != "tensorboard"]
+        elif "tensorboard" in names and loggers_mod.missing(["tensorboard"]):
+            logger.info("tensorboard is not installed: its logger is off (pip install tensorboard)")
+            names.remove("tensorboard")
+        self._loggers = loggers_mod.build_loggers(
+            names, output_dir, project=project, config=run_config or {}
+        )
+        # progress=False: no bar, a line every log_interval steps (also where no bar fits)
+        self._progress = StepProgress(
+            total_steps,
+            desc="reco",
+            initial=initial_step,
+            every=log_interval,
+            bar=None if progress else False,
+        )
 
     def write(self, row: dict[str, Any]) -> None:
         """Append ``row`` (must hold ``step``)."""
         with self.path.open("a", encoding="utf-8") as f:
             f.write(json.dumps({k: _clean(v) for k, v in row.items()}, sort_keys=True) + "\n")
         step = int(row["step"])
-        if self._tb is not None:
-            for key, value in row.items():
-                if isinstance(value, int | float) and key != "step" and math.isfinite(value):
-                    self._tb.add_scalar(key, value, step)
-        if self._bar is not None:
-            self._bar.update(1)
-            self._bar.set_postfix(
-                {k: f"{row[k]:.3g}" for k in ("reward_mean", "loss") if row.get(k) is not None}
-            )
-        else:
-            shown = " ".join(
-                f"{k}={row[k]:.4g}" for k in KEY_METRICS if isinstance(row.get(k), int | float)
-            )
-            logger.info("step %d %s", step, shown)
+        for tracker in self._loggers:
+            tracker.log(row, step)
+        self._progress.update(
+            {k: float(row[k]) for k in KEY_METRICS if isinstance(row.get(k), int | float)}
+        )
 
     def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
-        if self._bar is not None:
-            self._bar.close()
+        for tracker in self._loggers:
+            tracker.close()
+        self._progress.close()
 
 
 def truncate_jsonl(path: Path, last_step: int) -> int:
@@ -132,34 +129,3 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     """All rows of a ``metrics.jsonl``."""
     with path.open(encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
-
-
-def plot_training_curves(metrics_path: Path, out_png: Path) -> Path | None:
-    """Reward and pass@k of the training groups against steps, as a PNG (matplotlib)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        logger.warning("matplotlib is not installed: no plot written (pip install matplotlib)")
-        return None
-    rows = read_metrics(metrics_path)
-    if not rows:
-        return None
-    steps = [r["step"] for r in rows]
-    fig, (ax_r, ax_p) = plt.subplots(1, 2, figsize=(10, 4))
-    ax_r.plot(steps, [r.get("reward_mean") for r in rows], marker="o", ms=3)
-    ax_r.set(xlabel="step", ylabel="mean reward", title="reward (training groups)")
-    ks = sorted({k for r in rows for k in r if k.startswith("pass@")}, key=lambda k: int(k[5:]))
-    for key in ks:
-        ax_p.plot(steps, [r.get(key) for r in rows], label=key)
-    ax_p.set(xlabel="step", ylabel="pass@k", title="pass@k (training groups)", ylim=(0, 1.02))
-    if ks:
-        ax_p.legend(fontsize=8)
-    for ax in (ax_r, ax_p):
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out_png, dpi=110)
-    plt.close(fig)
-    return out_png

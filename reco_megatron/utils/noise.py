@@ -8,6 +8,11 @@ middle of the progress bar. :func:`quiet_known_warnings` (called first by ``reco
 summary logged once on rank 0, and sends every other Python warning through the package's
 logger (one line, rank-tagged, above the progress bar).
 
+The notes wait for the run's own first log line and come out just before it, so that an
+entry point that stops on a configuration error prints the error and nothing else (the
+notes of a run that stops with an error are dropped). An unknown warning is shown at once,
+one line, with its source as ``package/module.py:line`` (no site-packages prefix).
+
 The switch, ``RECO_KNOWN_WARNINGS``: ``once`` (default) as above, ``off`` drops the known
 messages entirely, ``all`` leaves every warning as the libraries print it.
 """
@@ -56,17 +61,24 @@ KNOWN: tuple[tuple[str, str, str], ...] = (
         "megatron-core calls torch collectives that torch deprecates (still supported)",
     ),
     (
+        "dcp-single-process",
+        r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is "
+        r"to load in a single process|The argument order of load has been changed|Please use "
+        r"DTensor instead and we are deprecating ShardedTensor",
+        "torch.distributed.checkpoint notes a single-process load and its own deprecations "
+        "(reading a checkpoint outside a training run: export, eval, resume)",
+    ),
+    (
+        "cuda-max-connections",
+        r"recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS to 1",
+        "megatron-core recommends CUDA_DEVICE_MAX_CONNECTIONS=1 for tensor-parallel overlap "
+        "on GPUs (the Slurm scripts set it; no effect on CPU)",
+    ),
+    (
         "non-leaf-grad",
         r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed",
         "megatron-core's optimizer probes .grad of non-leaf tensors when zeroing gradients "
         "(harmless)",
-    ),
-    (
-        "sp-connections",
-        r"When using sequence parallelism it is recommended to set the environment variable "
-        r"CUDA_DEVICE_MAX_CONNECTIONS",
-        "megatron-core asks for CUDA_DEVICE_MAX_CONNECTIONS=1 with sequence parallelism: the "
-        "Slurm and NeMo-Run launchers set it on GPU nodes; a CPU run has no CUDA streams",
     ),
 )
 """``(key, regex on the message, one-line summary)`` of every known, harmless warning."""
@@ -74,6 +86,8 @@ KNOWN: tuple[tuple[str, str, str], ...] = (
 _PATTERNS = [(key, re.compile(pattern), summary) for key, pattern, summary in KNOWN]
 _seen: set[str] = set()
 _state: dict[str, Any] = {}
+_pending: list[str] = []
+_SITE = re.compile(r".*[/\\](?:site|dist)-packages[/\\]")
 
 
 def known(message: str) -> tuple[str, str] | None:
@@ -87,7 +101,33 @@ def known(message: str) -> tuple[str, str] | None:
 def _note(key: str, summary: str) -> None:
     if _state.get("mode") == "once" and key not in _seen:
         _seen.add(key)
+        _pending.append(summary)  # written before the run's next own log line
+
+
+class _ReleaseNotes(logging.Filter):
+    """On the package's handler: before a record of the run itself, the pending notes; before
+    an error, nothing (the notes are dropped: the error is what matters)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if _pending and record.name != logger.name:
+            notes = list(_pending)
+            _pending.clear()
+            if record.levelno < logging.ERROR:
+                for summary in notes:
+                    logger.info("known warning, harmless: %s", summary)
+        return True
+
+
+def release_notes() -> None:
+    """Write the pending notes now (an entry point that has nothing else to say yet)."""
+    for summary in list(_pending):
         logger.info("known warning, harmless: %s", summary)
+    _pending.clear()
+
+
+def short_source(filename: str) -> str:
+    """``.../site-packages/torch/x.py`` -> ``torch/x.py``; other paths unchanged."""
+    return _SITE.sub("", filename)
 
 
 class _KnownFilter(logging.Filter):
@@ -108,7 +148,7 @@ def _showwarning(message, category, filename, lineno, file=None, line=None) -> N
         _note(*hit)
         return
     first = text.strip().splitlines()[0] if text.strip() else repr(text)
-    logger.warning("%s:%s: %s: %s", filename, lineno, category.__name__, first)
+    logger.warning("%s:%s: %s: %s", short_source(filename), lineno, category.__name__, first)
 
 
 def quiet_known_warnings(mode: str | None = None) -> str:
@@ -123,6 +163,8 @@ def quiet_known_warnings(mode: str | None = None) -> str:
     if mode == "all" or _state.get("installed"):
         return mode
     warnings.showwarning = _showwarning
+    for handler in logging.getLogger("reco_megatron").handlers:
+        handler.addFilter(_ReleaseNotes())
     # torch logs its CUDA note on this logger itself: a logger filter sees it.
     logging.getLogger("torch.utils.cpp_extension").addFilter(_KnownFilter())
     # megatron-core's loggers have no handler: their warnings reach Python's last-resort

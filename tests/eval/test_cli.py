@@ -109,3 +109,28 @@ def test_kmax_above_n(hf_dir, data, tmp_path, caplog) -> None:
 def test_parse_checkpoint() -> None:
     assert parse_checkpoint("reco=runs/x/checkpoints") == ("reco", "runs/x/checkpoints")
     assert parse_checkpoint("runs/x/checkpoints/") == ("x/checkpoints", "runs/x/checkpoints/")
+
+
+def test_positional_typo_first_and_nothing_created(tmp_path, caplog) -> None:
+    """``reco-eval runs/tiny_cpuu``: the typo is the first and only error (not "--data is
+    required"), with the directory meant; no output folder appears."""
+    runs = tmp_path / "runs"
+    (runs / "tiny_cpu" / "checkpoints").mkdir(parents=True)
+    with caplog.at_level(logging.ERROR):
+        assert main([str(runs / "tiny_cpuu")]) == 2
+    assert "checkpoint" in caplog.text and "does not exist" in caplog.text
+    assert f"did you mean {str(runs / 'tiny_cpu')!r}" in caplog.text
+    assert "--data" not in caplog.text
+    assert sorted(p.name for p in runs.iterdir()) == ["tiny_cpu"]
+
+
+def test_bad_data_leaves_no_output_folder(hf_dir, tmp_path, caplog) -> None:
+    out = tmp_path / "o"
+    with caplog.at_level(logging.ERROR):
+        assert main(_args([str(hf_dir)], tmp_path / "missing.jsonl", out)) == 2
+    assert "missing.jsonl" in caplog.text and "not a file" in caplog.text
+    assert not out.exists()
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert main(_args([str(hf_dir)], empty, out)) == 2  # fails after the folder was made
+    assert not out.exists()

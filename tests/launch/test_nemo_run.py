@@ -122,3 +122,63 @@ def test_local_executor_tiny_two_processes(nemorun_home: Path) -> None:
     assert (run_dir / "metrics.jsonl").read_text().strip()
     assert (run_dir / "checkpoints" / "latest").exists()
     assert local_executor(2).nproc_per_node() == 2  # torchrun --nproc-per-node 2
+
+
+def _experiments_main(argv: list[str], capsys) -> tuple[int, str, str]:
+    from launch.experiments import main
+
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@needs_nemo_run
+def test_dryrun_impossible_layout_exits_2_and_creates_nothing(nemorun_home: Path, capsys) -> None:
+    argv = [
+        *("--executor", "slurm", "--account", "a", "--dryrun"),
+        *(
+            "--config",
+            "examples/llama3.1-8b-instruct.yaml",
+            "parallel.tensor_model_parallel_size=3",
+        ),
+    ]
+    code, out, err = _experiments_main(argv, capsys)
+    assert code == 2
+    (line,) = err.strip().splitlines()  # the four variants share the problem: said once
+    assert line.startswith("launch.experiments: cannot launch: world size 8 is not divisible")
+    assert out == ""
+    assert not (nemorun_home / "nemorun").exists()
+
+
+@needs_nemo_run
+def test_dryrun_prints_unwrapped_scripts_and_leaves_no_folder(nemorun_home: Path, capsys) -> None:
+    home = nemorun_home / "nemorun"
+    argv = [
+        *("--executor", "slurm", "--account", "a", "--dryrun", "--variants", "grpo,reco"),
+        *("--config", "examples/llama3.1-8b-instruct.yaml", "trainer.max_steps=3"),
+    ]
+    code, out, _ = _experiments_main(argv, capsys)
+    assert code == 0
+    assert out.count("#!/bin/bash") == 2 and "# ---- reco (slurm) ----" in out
+    (output,) = [line for line in out.splitlines() if line.startswith("#SBATCH --output=")][:1]
+    assert output.endswith("/grpo/sbatch_reco-grpo_%j.out")  # the long path on one line
+    assert any(
+        line.rstrip().endswith("trainer.max_steps=3 trainer.output_dir=runs/ablation/reco")
+        for line in out.splitlines()
+    )
+    assert not home.exists() or not any(home.rglob("*")), sorted(home.rglob("*"))
+    code, out, _ = _experiments_main(
+        ["--dryrun", "--variants", "reco", "--nproc-per-node", "2"], capsys
+    )
+    assert code == 0
+    assert "torchrun --nproc-per-node 2 -m reco_megatron.train examples/tiny_cpu.yaml" in out
+    assert not home.exists() or not any(home.rglob("*"))
+
+
+def test_help_keeps_the_example_lines(capsys) -> None:
+    from launch.experiments import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "\n    python -m launch.experiments --executor local --nproc-per-node 2 \\\n" in out

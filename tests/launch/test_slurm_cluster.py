@@ -1,8 +1,11 @@
 """``sbatch slurm/reco_tiny.sh`` on a real one-node Slurm cluster on localhost.
 
-The fixture starts the cluster with ``.ci/slurm_up.sh`` (installing slurm-wlm and munge with
-apt-get when absent) and stops the daemons it started. Skips, with the reason, when not root
-or Slurm cannot be installed; under ``CI=true`` those are failures instead.
+This test changes the system: its fixture runs ``.ci/slurm_up.sh``, which installs slurm-wlm
+and munge with apt-get when absent, writes ``/etc/slurm/slurm.conf`` and a munge key, and
+starts munged, slurmctld and slurmd (it stops the daemons it started). So it runs only on
+explicit opt-in, ``RECO_TEST_SYSTEM_CHANGES=1`` (``.ci/run`` sets it); otherwise it skips
+with the reason. Opted in, it skips when not root or Slurm cannot be installed; under
+``CI=true`` those are failures instead.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from tests.tiny_overrides import TINY_RUN
 
 ROOT = Path(__file__).resolve().parents[2]
 IN_CI = os.environ.get("CI", "").lower() == "true"
+OPT_IN = "RECO_TEST_SYSTEM_CHANGES"
+"""Set to 1 to let tests install packages, write system files and start daemons."""
 TINY = [*TINY_RUN, "trainer.max_steps=2", "sft.steps=2"]
 
 pytestmark = pytest.mark.slurm
@@ -34,6 +39,11 @@ def _unavailable(reason: str) -> None:
 
 @pytest.fixture(scope="module")
 def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    if os.environ.get(OPT_IN) != "1":
+        pytest.skip(
+            f"installs slurm-wlm/munge, writes /etc/slurm and starts daemons: set {OPT_IN}=1 "
+            "to allow it (.ci/run does)"
+        )
     if os.geteuid() != 0:
         _unavailable("needs root to start munged/slurmctld/slurmd")
     state = tmp_path_factory.mktemp("slurm-state")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -107,7 +108,7 @@ def test_llama8b_fails_fast(
     env = _fake_allocation(tmp_path, ["gpu001", "gpu002", "gpu003"])
     env.update(extra_env)
     res = _dry_run("slurm/reco_llama8b.sh", env, *args)
-    assert res.returncode != 0
+    assert res.returncode == 2, res.stderr  # a bad fit: 2, never the environment's 69
     assert needle in res.stderr
     assert "srun" not in res.stdout
 
@@ -165,3 +166,119 @@ def test_shellcheck_clean() -> None:
         cwd=ROOT,
     )
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_cluster_test_leaves_the_system_alone_without_opt_in(tmp_path: Path) -> None:
+    """Plain ``pytest`` (no ``RECO_TEST_SYSTEM_CHANGES=1``) must not run ``.ci/slurm_up.sh``
+    (apt-get, /etc/slurm, daemons): a fake ``bash`` first on PATH records any call."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    marker = tmp_path / "slurm_up_ran"
+    fake = bin_dir / "bash"
+    fake.write_text(f"#!/bin/sh\ntouch {marker}\nexit 77\n")
+    fake.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("CI", "RECO_TEST_SYSTEM_CHANGES")}
+    env.update(PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", PYTHONPATH=str(ROOT))
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-rs",
+            "-p",
+            "no:cacheprovider",
+            "--noconftest",
+            "tests/launch/test_slurm_cluster.py",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert not marker.exists(), "the cluster fixture ran .ci/slurm_up.sh without the opt-in"
+    assert "1 skipped" in res.stdout, res.stdout + res.stderr
+    assert "RECO_TEST_SYSTEM_CHANGES=1" in res.stdout
+
+
+# --------------------------------------------------------------------- documented previews
+_PREVIEW = re.compile(r"^(?:#\s+|\s*)((?:[A-Z_]+=\S+ )*DRY_RUN=1 (?:[A-Z_]+=\S+ )*bash slurm/\S+)")
+
+
+def documented_previews() -> list[str]:
+    """Every ``... DRY_RUN=1 ... bash slurm/X`` command line in the README, docs/ and the
+    scripts' headers, as written (trailing comments and ``...`` dropped)."""
+    found = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *SCRIPTS]:
+        for line in path.read_text().splitlines():
+            for text in (line, *re.findall(r"`([^`]*DRY_RUN=1[^`]*)`", line)):
+                match = _PREVIEW.match(text)
+                if match and match.group(1) not in found:
+                    found.append(match.group(1))
+    return found
+
+
+def _fresh_clone(tmp_path: Path, *, venv: bool) -> tuple[Path, dict[str, str]]:
+    """A checkout as a new user has it after the README's install command (``.venv`` with the
+    project's dependencies, when ``venv``), and a shell where nothing is activated: ``python3``
+    and ``python`` on PATH cannot import torch."""
+    root = tmp_path / "clone"
+    root.mkdir()
+    for name in ("slurm", "reco_megatron", "examples"):
+        (root / name).symlink_to(ROOT / name)
+    if venv:
+        (root / ".venv/bin").mkdir(parents=True)
+        wrapper = root / ".venv/bin/python"
+        wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+        wrapper.chmod(0o755)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("python3", "python"):  # site-packages off: no torch, no yaml
+        fake = bin_dir / name
+        fake.write_text(f'#!/bin/sh\nexec {sys.executable} -S -E "$@"\n')
+        fake.chmod(0o755)
+    drop = ("PYTHON", "PYTHONPATH", "VIRTUAL_ENV", "DRY_RUN", "CONFIG", "GPUS_PER_NODE")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k not in drop}
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
+    return root, env
+
+
+def test_every_documented_preview_works_as_written(tmp_path: Path) -> None:
+    previews = documented_previews()
+    assert len(previews) >= 4, previews  # README, reco_llama8b.sh, reco_tiny.sh, reco.sbatch x2
+    root, env = _fresh_clone(tmp_path, venv=True)
+    for command in previews:
+        res = subprocess.run(
+            ["bash", "-c", command], cwd=root, env=env, capture_output=True, text=True, timeout=180
+        )
+        assert res.returncode == 0, (command, res.stderr)
+        assert res.stdout.startswith("srun "), (command, res.stdout)
+        assert "layout: TP=" in res.stderr, (command, res.stderr)
+        assert f"{root}/.venv/bin/python -m torch.distributed.run" in res.stdout, command
+
+
+def test_no_environment_is_told_apart_from_a_bad_layout(tmp_path: Path) -> None:
+    root, env = _fresh_clone(tmp_path, venv=False)
+    res = subprocess.run(
+        ["bash", "slurm/reco_llama8b.sh"],
+        cwd=root,
+        env={**env, "DRY_RUN": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 69, res.stderr
+    assert "not the project's environment" in res.stderr and "PYTHON=" in res.stderr
+    assert "Traceback" not in res.stderr and "srun" not in res.stdout
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, res.stderr
+    missing = subprocess.run(
+        ["bash", "slurm/reco_llama8b.sh"],
+        cwd=root,
+        env={**env, "DRY_RUN": "1", "PYTHON": str(tmp_path / "no/such/python")},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert missing.returncode == 69 and "no Python interpreter found" in missing.stderr
