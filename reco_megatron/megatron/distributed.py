@@ -35,7 +35,9 @@ class ParallelConfig:
     context_parallel_size: int = 1
     """CP: ranks one sequence is split over (long contexts; GPU/transformer-engine only)."""
     sequence_parallel: bool = False
-    """Shard LayerNorm/dropout activations over TP (GPU with transformer-engine only)."""
+    """Shard the activations outside the tensor-parallel matmuls (norms, residuals, dropout)
+    over the sequence across the TP group: ~(TP-1)/TP less of that activation memory, the same
+    arithmetic (needs TP > 1; the sequence is padded to a multiple of TP)."""
     micro_batch_size: int = 1
     """Sequences per micro-batch on one data-parallel rank."""
     distributed_timeout_minutes: int = 30
@@ -96,12 +98,6 @@ class ParallelConfig:
             raise ValueError(
                 f"num_layers={num_layers} is not divisible by PP x VP = {chunks}: choose a "
                 "pipeline size (and virtual pipeline size) that divides the layer count"
-            )
-        if not on_gpu and self.sequence_parallel:
-            raise ValueError(
-                "parallel.sequence_parallel=true is not supported on CPU (megatron's local "
-                "layer spec uses torch LayerNorm, which sequence parallelism cannot shard): "
-                "set parallel.sequence_parallel=false for CPU runs"
             )
         if not on_gpu and self.context_parallel_size > 1:
             raise ValueError(

@@ -188,6 +188,7 @@ class ReCoEngine:
                 pre_process=ps.is_pipeline_first_stage(ignore_virtual=vp is None, **kwargs),
                 post_process=ps.is_pipeline_last_stage(ignore_virtual=vp is None, **kwargs),
                 on_gpu=self.on_gpu,
+                vp_stage=None if vp is None else i,
             )
             if self.update.fused_output_layer:
                 fuse_output_layer(chunk)

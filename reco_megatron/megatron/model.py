@@ -11,11 +11,10 @@ statistics op upcasts them chunk by chunk.
 
 The layer spec and megatron's fusions are chosen together by :func:`layer_backend`: on GPU
 with transformer-engine importable, the TE spec with the fusions on; otherwise (CPU, or GPU
-without TE) megatron's local (torch) spec with every fusion off, since the local spec's torch
-norms refuse ``persist_layer_norm`` and the other fusions need kernels only TE/apex provide.
-With the local spec and bf16/fp16 parameters the torch norms are cast to the parameter dtype
-(megatron builds them in fp32), so ``rms_norm`` runs its fused kernel instead of warning about
-mismatched dtypes and falling back to the composite one.
+without TE) megatron's local spec with every fusion off (they need kernels only TE/apex
+provide) and its torch norms replaced by :class:`reco_megatron.megatron.norm.
+SequenceParallelNorm` (parameter-dtype weights, fp32 statistics, parameters marked for the
+tensor-parallel gradient sum), so ``parallel.sequence_parallel`` works without TE too.
 """
 
 from __future__ import annotations
@@ -178,6 +177,7 @@ def transformer_config(model: ModelConfig, parallel: Any, on_gpu: bool) -> Any:
     model.check_tensor_parallel(parallel.tensor_model_parallel_size)
     dtype = DTYPES[model.params_dtype]
     fused = layer_backend(on_gpu) == "transformer_engine"
+    interleaved = parallel.virtual_pipeline_model_parallel_size is not None
     return TransformerConfig(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
@@ -213,26 +213,70 @@ def transformer_config(model: ModelConfig, parallel: Any, on_gpu: bool) -> Any:
         gradient_accumulation_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=fused,
+        # Interleaved pipeline: point-to-point sends and receives one by one, as Megatron-LM
+        # does by default with a virtual pipeline. Batched, the forward activation and the
+        # backward gradient a stage exchanges with the same neighbour (PP 2: the previous
+        # stage is the next one) are indistinguishable, and the schedule mixes them up.
+        overlap_p2p_comm=interleaved,
+        batch_p2p_comm=not interleaved,
     )
 
 
-def _layer_spec(on_gpu: bool) -> Any:
+def _with_norm(spec: Any, norm: type) -> Any:
+    """``spec`` (a layer ``ModuleSpec``, its submodules, or any nesting of them) with every
+    norm class of megatron's local spec (``WrappedTorchNorm``, apex's ``FusedLayerNorm``)
+    replaced by ``norm``: the input, pre-MLP and query/key norms alike. A copy; the rest of
+    the spec is shared."""
+    import dataclasses
+
+    from megatron.core.fusions.fused_layer_norm import FusedLayerNorm
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    local_norms = (WrappedTorchNorm, FusedLayerNorm)
+    if isinstance(spec, type) and issubclass(spec, local_norms):
+        return norm
+    if isinstance(spec, ModuleSpec):
+        if isinstance(spec.module, type) and issubclass(spec.module, local_norms):
+            return dataclasses.replace(spec, module=norm)
+        if spec.submodules is None:
+            return spec
+        return dataclasses.replace(spec, submodules=_with_norm(spec.submodules, norm))
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        changes = {
+            f.name: _with_norm(getattr(spec, f.name), norm)
+            for f in dataclasses.fields(spec)
+            if f.init
+        }
+        return dataclasses.replace(spec, **changes)
+    return spec
+
+
+def _layer_spec(config: Any, on_gpu: bool, vp_stage: int | None) -> Any:
+    """The decoder spec of one pipeline stage (or virtual-pipeline chunk).
+
+    With transformer-engine: megatron's TE layer spec (TE's norms handle sequence
+    parallelism). Without: megatron's local layer spec with
+    :class:`~reco_megatron.megatron.norm.SequenceParallelNorm` in place of its torch norms, in
+    every layer and as the block's final norm (which megatron would otherwise take from a
+    module-level default), so the same spec runs with and without ``sequence_parallel``.
+    """
     from megatron.core.models.gpt import gpt_layer_specs as specs
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    from reco_megatron.megatron.norm import SequenceParallelNorm
 
     if layer_backend(on_gpu) == "transformer_engine":
         return specs.get_gpt_layer_with_transformer_engine_spec()
-    return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
-
-
-def _norms_to_params_dtype(gpt: Any, dtype: torch.dtype) -> None:
-    """Cast the local spec's torch norms to the parameter dtype (megatron creates them in
-    torch's default fp32; with bf16 inputs ``rms_norm`` would warn and skip its fused kernel).
-    The optimizer keeps fp32 main weights of them as of every other bf16 parameter."""
-    if dtype == torch.float32:
-        return
-    for module in gpt.modules():
-        if isinstance(module, (torch.nn.RMSNorm, torch.nn.LayerNorm)):
-            module.to(dtype)
+    local = specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    layer = _with_norm(local, SequenceParallelNorm)
+    return TransformerBlockSubmodules(
+        layer_specs=[layer] * get_num_layers_to_build(config, vp_stage=vp_stage),
+        layer_norm=SequenceParallelNorm,
+    )
 
 
 def build_model(
@@ -242,6 +286,7 @@ def build_model(
     pre_process: bool,
     post_process: bool,
     on_gpu: bool,
+    vp_stage: int | None = None,
 ) -> Any:
     """The ``GPTModel`` of one pipeline stage (or virtual-pipeline chunk).
 
@@ -253,6 +298,8 @@ def build_model(
             spec, see :func:`layer_backend`). The chunk is returned where megatron built it
             (CPU, or CUDA parameters without CPU initialisation); the engine moves it to its
             device.
+        vp_stage: the virtual-pipeline chunk index (None without a virtual pipeline): which
+            layers the chunk holds, hence their global numbers and checkpoint keys.
     """
     from reco_megatron.megatron.compat.versions import build_gpt_model
 
@@ -260,9 +307,11 @@ def build_model(
     kwargs: dict[str, Any] = {}
     if model.rope_scaling_factor is not None:
         kwargs.update(rope_scaling=True, rope_scaling_factor=model.rope_scaling_factor)
-    gpt = build_gpt_model(
+    if vp_stage is not None:
+        kwargs["vp_stage"] = vp_stage
+    return build_gpt_model(
         config=config,
-        transformer_layer_spec=_layer_spec(on_gpu),
+        transformer_layer_spec=_layer_spec(config, on_gpu, vp_stage),
         vocab_size=model.padded_vocab_size(tp),
         max_sequence_length=model.max_position_embeddings,
         pre_process=pre_process,
@@ -273,9 +322,6 @@ def build_model(
         rotary_base=int(model.rotary_base),
         **kwargs,
     )
-    if layer_backend(on_gpu) == "local":
-        _norms_to_params_dtype(gpt, config.params_dtype)
-    return gpt
 
 
 def _return_hidden_states(self: Any, input_: torch.Tensor, weight: Any = None, **_: Any):

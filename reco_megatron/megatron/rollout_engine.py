@@ -28,11 +28,20 @@ Pipeline parallelism: each stage receives the previous stage's hidden states ``[
 log-probs are broadcast to every stage so all ranks of the replica hold the same completions.
 Tensor-parallel ranks run the same rows; logits are gathered over TP
 (``runtime_gather_output=True``), so every TP rank samples the same tokens from the same noise.
+
+Sequence parallelism: a decode step feeds one position per row, which cannot be split over the
+TP group, and megatron-core's inference path runs dense layers without it (its own controller
+switches it off for MoE models the same way, ``set_model_to_sequence_parallel``). The decoder
+therefore switches it off for the duration of :meth:`MegatronDecoder.decode`
+(:func:`sequence_parallel_off`: the config flag and the modules' copies of it, restored after)
+and runs the plain tensor-parallel forward, which computes the same function of the same
+weights; the training passes keep sequence parallelism.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +54,43 @@ logger = get_logger(__name__)
 
 SampleFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 """``sample(logits [b, V] fp32, uniforms [b] fp64) -> (tokens [b] long, logprobs [b] fp32)``."""
+
+
+_SP_ATTRIBUTES = ("sequence_parallel", "scatter_to_sequence_parallel", "reduce_scatter_embeddings")
+"""What megatron-core's modules copy from ``config.sequence_parallel`` at construction
+(``ColumnParallelLinear``/``RowParallelLinear``, the embedding and its vocabulary-parallel
+table): the attributes ``megatron.core.transformer.utils.set_model_to_sequence_parallel``
+switches."""
+
+
+@contextmanager
+def sequence_parallel_off(model: Any) -> Iterator[None]:
+    """Run ``model`` (a ``GPTModel`` chunk) without sequence parallelism inside the block.
+
+    Sets ``model.config.sequence_parallel`` (shared by every module of the chunk) and each
+    module's own copy (:data:`_SP_ATTRIBUTES`) to False, and restores every value it changed
+    on exit, exception or not. A no-op when sequence parallelism is off. Only for forward
+    passes that leave no gradients (decoding): parameters keep their marks.
+    """
+    config = model.config
+    if not getattr(config, "sequence_parallel", False):
+        yield
+        return
+    saved = [
+        (module, name, vars(module)[name])
+        for module in model.modules()
+        for name in _SP_ATTRIBUTES
+        if name in vars(module)
+    ]
+    try:
+        config.sequence_parallel = False
+        for module, name, _ in saved:
+            setattr(module, name, False)
+        yield
+    finally:
+        config.sequence_parallel = True
+        for module, name, value in saved:
+            setattr(module, name, value)
 
 
 @dataclass(frozen=True)
@@ -201,37 +247,38 @@ class MegatronDecoder:
         ctx = self.context
         ctx.reset()
         start, end = 0, int(lengths.min())
-        try:
-            while True:
-                step_tokens = buf[:, start:end].to(self.device)
-                positions = torch.arange(start, end, device=self.device).expand(b, -1)
-                logits = self._forward(step_tokens, positions)
-                active = (lengths <= end) & ~stopped & (count < max_new)
-                if self.last_stage:
-                    uniforms = noise[rows, count.clamp(max=max_new - 1)]
-                    tok, logp = sample(logits, uniforms.to(logits.device))
-                    tok, logp = tok.cpu(), logp.float().cpu()
-                else:
-                    tok = torch.empty(b, dtype=torch.long)
-                    logp = torch.empty(b, dtype=torch.float32)
-                tok, logp = self._share(tok, logp)
-                tok, logp = tok.cpu(), logp.cpu()
-                idx = rows[active]
-                out_tok[idx, count[idx]] = tok[idx]
-                out_lp[idx, count[idx]] = logp[idx]
-                buf[idx, end] = tok[idx]
-                count[idx] += 1
-                stopped[idx] |= torch.isin(tok[idx], stops)
-                done = stopped | (count >= max_new)
-                if bool(done.all()) or end + 1 >= total:
-                    break
-                if bool((lengths <= end + 1).all()):
-                    ctx.enable_decode_mode()
-                start, end = end, end + 1
-        finally:
-            ctx.reset()
-            self.model.set_input_tensor(None)
-            self.model.train(was_training)
+        with sequence_parallel_off(self.model):
+            try:
+                while True:
+                    step_tokens = buf[:, start:end].to(self.device)
+                    positions = torch.arange(start, end, device=self.device).expand(b, -1)
+                    logits = self._forward(step_tokens, positions)
+                    active = (lengths <= end) & ~stopped & (count < max_new)
+                    if self.last_stage:
+                        uniforms = noise[rows, count.clamp(max=max_new - 1)]
+                        tok, logp = sample(logits, uniforms.to(logits.device))
+                        tok, logp = tok.cpu(), logp.float().cpu()
+                    else:
+                        tok = torch.empty(b, dtype=torch.long)
+                        logp = torch.empty(b, dtype=torch.float32)
+                    tok, logp = self._share(tok, logp)
+                    tok, logp = tok.cpu(), logp.cpu()
+                    idx = rows[active]
+                    out_tok[idx, count[idx]] = tok[idx]
+                    out_lp[idx, count[idx]] = logp[idx]
+                    buf[idx, end] = tok[idx]
+                    count[idx] += 1
+                    stopped[idx] |= torch.isin(tok[idx], stops)
+                    done = stopped | (count >= max_new)
+                    if bool(done.all()) or end + 1 >= total:
+                        break
+                    if bool((lengths <= end + 1).all()):
+                        ctx.enable_decode_mode()
+                    start, end = end, end + 1
+            finally:
+                ctx.reset()
+                self.model.set_input_tensor(None)
+                self.model.train(was_training)
         return [
             Decoded(
                 token_ids=out_tok[r, : int(count[r])].tolist(),

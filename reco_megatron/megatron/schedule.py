@@ -24,6 +24,7 @@ from reco_megatron.megatron.microbatching import (
     length_multiple,
     needed_lengths,
     packed_plan,
+    round_up,
     split_to,
     take_rows,
 )
@@ -104,8 +105,13 @@ class MicroBatcher:
         from megatron.core import parallel_state as ps
 
         needed = needed_lengths(batch.loss_mask)
-        if self.budget is None:
-            return fixed_plan(needed, batch.seq_length, self.parallel.micro_batch_size)
+        if self.budget is None:  # the batch's length, padded as the layout needs (SP, CP)
+            p = self.parallel
+            layout = length_multiple(
+                1, p.tensor_model_parallel_size, p.sequence_parallel, p.context_parallel_size
+            )
+            length = round_up(batch.seq_length, layout)
+            return fixed_plan(needed, length, self.parallel.micro_batch_size)
         vp = self.parallel.virtual_pipeline_model_parallel_size
         divisor = self.parallel.pipeline_model_parallel_size if vp else 1
         m = self.multiple

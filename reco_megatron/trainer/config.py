@@ -298,11 +298,11 @@ class TrainConfig:
                 f"{p.virtual_pipeline_model_parallel_size} is not supported: set it to null or "
                 "use rollout.engine=embedded"
             )
-        if p.context_parallel_size > 1 or p.sequence_parallel:
+        if p.context_parallel_size > 1:
             raise ValueError(
-                "rollout.engine=megatron does not decode with context_parallel_size > 1 or "
-                "sequence_parallel=true (megatron-core's static inference path supports "
-                "neither for dense models): set them to 1/false or use rollout.engine=vllm"
+                "rollout.engine=megatron does not decode with context_parallel_size="
+                f"{p.context_parallel_size} (megatron-core's static inference path splits no "
+                "sequence over context-parallel ranks): set it to 1 or use rollout.engine=vllm"
             )
         mp = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
         if self.eval.interval and mp > 1:

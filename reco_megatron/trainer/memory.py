@@ -40,6 +40,64 @@ CONTEXT_BYTES = 2 * GIB
 """CUDA context, NCCL buffers and allocator fragmentation per process: an assumption."""
 
 
+def stage_parameters(model: ModelConfig, parallel: ParallelConfig, stage: int) -> int:
+    """Parameter elements on one rank of pipeline stage ``stage``: exact, as megatron builds it.
+
+    Each of its ``L / PP`` layers holds ``1/TP`` of the attention and MLP matrices (and QKV
+    bias) and the whole of its two norms (replicated over TP); the first stage adds its shard
+    of the embedding, the last stage the final norm and its shard of the output layer (a copy
+    of the embedding when they are tied and PP > 1), both at megatron's padded vocabulary.
+    Checked against the models megatron builds (``megatron.memory_census``).
+    """
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    if not 0 <= stage < pp:
+        raise ValueError(f"stage {stage} is not a pipeline stage of PP {pp}")
+    layer = [
+        (k, math.prod(v)) for k, v in hf_shapes(model).items() if k.startswith("model.layers.0.")
+    ]
+    replicated = sum(n for k, n in layer if k.endswith("layernorm.weight"))
+    sharded = sum(n for k, n in layer if not k.endswith("layernorm.weight"))
+    out = model.num_layers // pp * (sharded // tp + replicated)
+    table = model.padded_vocab_size(tp) // tp * model.hidden_size
+    if stage == 0:
+        out += table
+    if stage == pp - 1:
+        out += model.hidden_size  # final norm
+        if not model.tie_word_embeddings or pp > 1:
+            out += table
+    return out
+
+
+@dataclass(frozen=True)
+class ModelState:
+    """Bytes of one rank's resident model state (what ``megatron.memory_census`` measures)."""
+
+    weights: int
+    grads: int
+    optimizer: int
+
+
+def stage_state(
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    *,
+    data_parallel_size: int,
+    stage: int,
+    distributed_optimizer: bool = True,
+) -> ModelState:
+    """Weights (parameter dtype), fp32 gradient buffer (``grad_reduce_in_fp32``) and Adam
+    state (fp32 m and v, plus an fp32 master copy of bf16/fp16 parameters; sharded over DP by
+    the distributed optimizer) of one rank of pipeline stage ``stage``."""
+    shard = stage_parameters(model, parallel, stage)
+    master = 0 if model.params_dtype == "float32" else 4
+    opt_shard = shard / data_parallel_size if distributed_optimizer else shard
+    return ModelState(
+        weights=shard * DTYPE_BYTES[model.params_dtype],
+        grads=shard * 4,
+        optimizer=int(opt_shard * (master + 8)),
+    )
+
+
 @dataclass(frozen=True)
 class ColocationBudget:
     """Bytes per GPU of each resident item and of each phase of one step."""
@@ -95,17 +153,29 @@ def colocation_budget(
     reference_model: bool = False,
     tokens_per_microbatch: int | None = None,
 ) -> ColocationBudget:
-    """The estimate for one rank (the first pipeline stage when it is the fuller one).
-    ``tokens_per_microbatch``: positions of one micro-batch (``update.max_tokens_per_microbatch``);
-    None: ``micro_batch_size x max_seq_len``, the fixed split's."""
+    """The estimate for one rank: the pipeline stage with the most parameters (the first or
+    the last, which hold the embedding and the output layer) and the larger of the first
+    and last stages' activations. ``tokens_per_microbatch``: positions of one micro-batch
+    (``update.max_tokens_per_microbatch``); None: ``micro_batch_size x max_seq_len``, the
+    fixed split's."""
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     cp, mb = parallel.context_parallel_size, parallel.micro_batch_size
     tokens = tokens_per_microbatch or max_seq_len * mb
     n = sum(math.prod(shape) for shape in hf_shapes(model).values())
     p_bytes = DTYPE_BYTES[model.params_dtype]
-    shard = n / (tp * pp)
-    master = 0 if model.params_dtype == "float32" else 4  # fp32 copy of bf16 params
-    opt_shard = shard / data_parallel_size if distributed_optimizer else shard
+    state = max(
+        (
+            stage_state(
+                model,
+                parallel,
+                data_parallel_size=data_parallel_size,
+                stage=stage,
+                distributed_optimizer=distributed_optimizer,
+            )
+            for stage in range(pp)
+        ),
+        key=lambda x: x.weights,
+    )
     h, f = model.hidden_size, model.ffn_hidden_size
     kv = model.query_groups * model.head_dim
     per_layer = tokens * (10 * h + 4 * kv + 6 * f) / (tp * cp)
@@ -122,10 +192,10 @@ def colocation_budget(
     return ColocationBudget(
         gpu_bytes=int(gpu_bytes),
         vllm_awake=int(vllm_awake),
-        weights=int(shard * p_bytes),
-        grads=int(shard * 4),  # grad_reduce_in_fp32 (megatron/optimizer.py)
-        optimizer=int(opt_shard * (master + 8)),  # fp32 Adam m and v (+ master copy)
-        reference=int(shard * p_bytes) if reference_model else 0,
+        weights=state.weights,
+        grads=state.grads,
+        optimizer=state.optimizer,
+        reference=state.weights if reference_model else 0,
         activations=int(activations),
         vllm_weights=int(vllm_weights),
         refit_buffers=int(3 * largest * p_bytes),  # TP parts, gathered tensor, PP broadcast

@@ -12,7 +12,6 @@ padded shapes agree between layouts and padded columns must be excluded by the l
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
@@ -22,7 +21,7 @@ from reco_megatron.algo import LossConfig
 from reco_megatron.megatron.batch import RolloutBatch, data_parallel_share
 from reco_megatron.megatron.distributed import ParallelConfig, initialize_parallel
 from reco_megatron.megatron.engine import ReCoEngine, UpdateConfig
-from reco_megatron.megatron.hf.convert import gather_tp, shard_tp
+from reco_megatron.megatron.hf.convert import gather_tp, global_names, shard_tp
 from reco_megatron.megatron.model import ModelConfig
 from reco_megatron.megatron.optimizer import OptimConfig
 
@@ -94,6 +93,7 @@ def build_engine(
     adam_eps: float = 1e-3,
     fused_output_layer: bool = False,
     sequence_parallel: bool = False,
+    vp: int | None = None,
     **update: Any,
 ) -> ReCoEngine:
     """An engine for the tiny model. ``adam_eps`` is large on purpose: Adam's first step is
@@ -106,6 +106,7 @@ def build_engine(
         pipeline_model_parallel_size=pp,
         micro_batch_size=micro_batch_size,
         sequence_parallel=sequence_parallel,
+        virtual_pipeline_model_parallel_size=vp,
     )
     initialize_parallel(parallel, seed=1234)
     return ReCoEngine(
@@ -124,27 +125,12 @@ def build_engine(
 
 
 # ---------------------------------------------------------------- full <-> sharded weights
-def _layer_offset(num_layers: int) -> int:
-    from megatron.core import parallel_state as ps
-
-    pp = ps.get_pipeline_model_parallel_world_size()
-    return ps.get_pipeline_model_parallel_rank() * (num_layers // pp)
-
-
-def global_name(name: str, num_layers: int) -> str:
-    """Single-stage name of a parameter: strip DDP's ``module.``, shift the layer index."""
-    name = name.removeprefix("module.")
-    offset = _layer_offset(num_layers)
-    return re.sub(r"layers\.(\d+)\.", lambda m: f"layers.{int(m.group(1)) + offset}.", name)
-
-
 def load_full(engine: ReCoEngine, full: dict[str, torch.Tensor]) -> None:
-    """Copy full reference weights into this rank's shards (and the optimizer's fp32 copy)."""
-    n = engine.model_cfg.num_layers
+    """Copy full reference weights into this rank's shards (and the optimizer's fp32 copy).
+    Layers are matched by their global number, so any PP / virtual-pipeline layout works."""
     with torch.no_grad():
         for chunk in engine.unwrapped():
-            for name, param in chunk.named_parameters():
-                key = global_name(name, n)
+            for name, key, param in global_names(chunk):
                 if key == "output_layer.weight" and engine.model_cfg.tie_word_embeddings:
                     key = "embedding.word_embeddings.weight"  # the last stage's tied copy
                 param.copy_(shard_tp(full[key], param, name))
@@ -154,11 +140,9 @@ def load_full(engine: ReCoEngine, full: dict[str, torch.Tensor]) -> None:
 
 def full_params(engine: ReCoEngine) -> dict[str, torch.Tensor]:
     """This stage's parameters, TP-gathered, under single-stage names."""
-    n = engine.model_cfg.num_layers
     out = {}
     for chunk in engine.unwrapped():
-        for name, param in chunk.named_parameters():
-            key = global_name(name, n)
+        for name, key, param in global_names(chunk):
             if key == "output_layer.weight" and engine.model_cfg.tie_word_embeddings:
                 continue  # with PP the last stage's copy of the tied embedding
             out[key] = gather_tp(param, name).clone()

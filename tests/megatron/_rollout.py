@@ -36,18 +36,23 @@ def rollout_engine(
     )
 
 
-def logprob_gap_body(rank: int, world: int, tp: int, pp: int, sampling: SamplingParams) -> Any:
+def logprob_gap_body(
+    rank: int, world: int, tp: int, pp: int, sampling: SamplingParams, sp: bool = False
+) -> Any:
     """Generate, then teacher-force the same tokens through the trainer's old-policy pass;
-    returns (max |rollout - trainer| over response tokens, number of tokens) on the last stage."""
+    returns (max |rollout - trainer| over response tokens, number of tokens) on the last stage.
+    ``sp``: the trainer runs with sequence parallelism (the decoder switches it off)."""
     from reco_megatron.trainer.rollout_batch import build_rollout_batch
     from tests.megatron._reco import build_engine
 
-    engine = build_engine(tp=tp, pp=pp, micro_batch_size=2)
+    engine = build_engine(tp=tp, pp=pp, micro_batch_size=2, sequence_parallel=sp)
+    sp_flags = _sp_flags(engine)
     rollout = rollout_engine(engine, max_batch_size=4)  # 3 prompts x 2 = 6 rows: 2 chunks
     groups = rollout.generate(PROMPTS, 2, sampling)
     responses = [c.token_ids for g in groups for c in g]
     logprobs = [c.logprobs for g in groups for c in g]
     batch = build_rollout_batch(PROMPTS, responses, logprobs, torch.zeros(6), 2, pad_id=0)
+    assert _sp_flags(engine) == sp_flags, "decoding left sequence parallelism switched"
     stats = engine.statistics(batch)
     if not stats:
         return None
@@ -55,6 +60,17 @@ def logprob_gap_body(rank: int, world: int, tp: int, pp: int, sampling: Sampling
     old = stats["logprob"]
     gap = (old - batch.rollout_logprobs).abs()[mask]
     return float(gap.max()), int(mask.sum()), responses
+
+
+def _sp_flags(engine: Any) -> list[Any]:
+    """The config's and every module's sequence-parallel flags, in module order."""
+    from reco_megatron.megatron.rollout_engine import _SP_ATTRIBUTES
+
+    chunk = engine.unwrapped()[0]
+    flags: list[Any] = [chunk.config.sequence_parallel]
+    for module in chunk.modules():
+        flags += [vars(module)[a] for a in _SP_ATTRIBUTES if a in vars(module)]
+    return flags
 
 
 def _embedded_twin(engine: Any, eos: tuple = ()) -> Any:

@@ -97,17 +97,3 @@ def test_dropout_uses_cpu_tracker_and_is_reproducible() -> None:
     for x, y in zip(a["outs"], b["outs"], strict=True):
         assert torch.equal(x, y), "same seed, different dropout masks"
     assert not torch.equal(a["outs"][0], c["outs"][0]), "the seed does not reach dropout"
-
-
-def _sequence_parallel(rank: int, world_size: int) -> str:
-    _tiny.init_parallel(tp=2)
-    config = _tiny.tiny_config(tp=2, sequence_parallel=True)
-    with pytest.raises(ValueError) as err:
-        _tiny.build_tiny_gpt(config)
-    return str(err.value)
-
-
-def test_sequence_parallel_rejected_with_fix() -> None:
-    message = run_distributed(_sequence_parallel, 2, timeout=60)[0]
-    assert "sequence_parallel=True" in message
-    assert "set sequence_parallel=False" in message

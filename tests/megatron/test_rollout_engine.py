@@ -3,7 +3,8 @@
 What is checked, each against an independent reference:
 
 * log-probs reported while generating equal the trainer's old-policy pass over the same tokens
-  (``ReCoEngine.statistics``, teacher forced, full-sequence forward) at TP 1, TP 2 and PP 2;
+  (``ReCoEngine.statistics``, teacher forced, full-sequence forward) at TP 1, TP 2, PP 2 and
+  TP 2 with sequence parallelism;
   fp32 tolerance 1e-5 (measured <= 1e-6: the KV-cached step and the full forward sum the same
   products in a different order);
 * every sampling setting gives the embedded engine's samples on the same weights (exported
@@ -27,10 +28,18 @@ pytestmark = pytest.mark.dist
 TOL = 1e-5
 
 
-@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 1), (1, 2)])
-def test_generation_logprobs_equal_the_old_policy_pass(tp: int, pp: int) -> None:
+@pytest.mark.parametrize(
+    ("tp", "pp", "sp"),
+    [(1, 1, False), (2, 1, False), (1, 2, False), (2, 1, True)],
+    ids=["tp1", "tp2", "pp2", "tp2_sp"],
+)
+def test_generation_logprobs_equal_the_old_policy_pass(tp: int, pp: int, sp: bool) -> None:
+    # tp2_sp: the trainer runs with sequence parallelism, the decoder switches it off while it
+    # decodes (one position per step cannot be split over TP) and back on after.
     sampling = SamplingParams(temperature=1.0, max_new_tokens=8)
-    results = run_distributed(logprob_gap_body, tp * pp, args=(tp, pp, sampling), timeout=240)
+    results = run_distributed(
+        logprob_gap_body, tp * pp, args=(tp, pp, sampling), kwargs={"sp": sp}, timeout=240
+    )
     last = results[-1]
     gap, n_tokens, _ = last
     assert n_tokens == 48  # 3 prompts x 2 samples x 8 tokens, no stop id

@@ -28,8 +28,10 @@ def _budget(path: str, dp: int, util: float | None = None, gpu: int = H100_BYTES
 def test_8b_example_state_by_hand() -> None:
     b = _budget("examples/llama3.1-8b-instruct.yaml", dp=4)
     n = 8_030_261_248  # Llama-3.1-8B parameters (HF safetensors index total / 2 bytes)
-    assert b.weights == n * 2 // 2 and b.grads == n * 4 // 2
-    assert b.optimizer == n * 12 // (2 * 4)  # fp32 master + Adam m, v over TP 2 x DP 4
+    norms = (2 * 32 + 1) * 4096  # two per layer and the final one: whole on every TP rank
+    rank = (n - norms) // 2 + norms  # vocabulary 128256 = 501 x 256: no padding at TP 2
+    assert b.weights == rank * 2 and b.grads == rank * 4
+    assert b.optimizer == rank * 12 // 4  # fp32 master + Adam m, v over DP 4
     assert b.vllm_weights == n * 2 // 2
     assert b.vllm_awake == int(0.4 * H100_BYTES)
     # one layer: s * (10 h + 4 kv + 6 F) / TP bytes, 32 layers, + fp32 logits and grads

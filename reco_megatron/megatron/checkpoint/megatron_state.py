@@ -59,7 +59,7 @@ def _model_states(model: Any) -> dict[str, Any]:
     chunks = _chunks(model)
     if len(chunks) == 1:
         return {"model": chunks[0].sharded_state_dict()}
-    return {f"model{i}": c.sharded_state_dict(vp_stage=i) for i, c in enumerate(chunks)}
+    return {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
 
 
 def _merged(model_states: dict[str, Any]) -> dict[str, Any]:

@@ -148,13 +148,6 @@ def validate_cpu_config(config: Any) -> None:
     if not _state["enabled"]:
         return
     problems = []
-    if getattr(config, "sequence_parallel", False):
-        problems.append(
-            "sequence_parallel=True: not supported with the CPU layer spec "
-            "(get_gpt_layer_local_spec, torch LayerNorm), where megatron-core fails to run it; "
-            "set sequence_parallel=False on CPU (keep it for GPU runs with the Transformer "
-            "Engine spec)"
-        )
     if getattr(config, "fp16", False):
         problems.append(
             "fp16=True: fp16 loss scaling keeps its scale on CUDA; use fp32 or bf16=True on CPU"

@@ -100,12 +100,31 @@ _FACTORIES = frozenset(
 )
 
 
+_TARGET = [torch.device("cpu")]
+"""Where the redirected CUDA allocations go: the CPU, or the meta device inside
+:func:`allocations_on_meta` (shapes without storage: what a layout would allocate)."""
+
+
+@contextmanager
+def allocations_on_meta() -> Iterator[None]:
+    """While active, what the proxied megatron modules would allocate on CUDA (gradient
+    buffers, distributed-optimizer shards, ...) is created on the meta device, and meta
+    tensors pass megatron's CUDA type checks like CPU tensors: the real code computes every
+    shape of a layout that would not fit in memory (``megatron.memory_census``)."""
+    _TARGET[0] = torch.device("meta")
+    try:
+        yield
+    finally:
+        _TARGET[0] = torch.device("cpu")
+
+
 def _cpu_device(device: Any) -> Any:
-    """Map a CUDA device spec (``"cuda"``, ``"cuda:0"``, ``torch.device("cuda")``) to CPU."""
+    """Map a CUDA device spec (``"cuda"``, ``"cuda:0"``, ``torch.device("cuda")``) to CPU
+    (the meta device inside :func:`allocations_on_meta`)."""
     if isinstance(device, str) and device.startswith("cuda"):
-        return torch.device("cpu")
+        return _TARGET[0]
     if isinstance(device, torch.device) and device.type == "cuda":
-        return torch.device("cpu")
+        return _TARGET[0]
     return device
 
 
@@ -128,7 +147,7 @@ class _CpuCuda(types.ModuleType):
 
     @staticmethod
     def current_device() -> torch.device:
-        return torch.device("cpu")
+        return _TARGET[0]
 
     @staticmethod
     def synchronize(device: Any = None) -> None:
@@ -157,12 +176,13 @@ class _CpuTorch(types.ModuleType):
 
 @contextmanager
 def _cuda_float_type_names() -> Iterator[None]:
-    """While active, ``t.type()`` of a CPU tensor names its CUDA type (e.g. FloatTensor)."""
+    """While active, ``t.type()`` of a CPU (or meta) tensor names its CUDA type."""
     original = torch.Tensor.type
 
     def type_(self: torch.Tensor, dtype: Any = None, non_blocking: bool = False, **kw: Any) -> Any:
-        if dtype is None and not kw and self.device.type == "cpu":
-            return original(self).replace("torch.", "torch.cuda.", 1)
+        if dtype is None and not kw and self.device.type in ("cpu", "meta"):
+            name = original(self).replace("torch.meta.", "torch.", 1)
+            return name.replace("torch.", "torch.cuda.", 1)
         return original(self, dtype, non_blocking, **kw)
 
     torch.Tensor.type = type_  # type: ignore[method-assign]
