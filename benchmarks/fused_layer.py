@@ -6,7 +6,10 @@ output weight ``[V, H]`` (bf16, TP 1), forward + backward:
 * ``unfused``: ``F.linear`` (the whole logits), :func:`vocab_parallel_stats` with
   ``inplace_backward`` (what the engine runs without ``update.fused_output_layer``), the loss;
 * ``stats_layer``: :func:`vocab_parallel_linear_stats` (logits in blocks), then the loss;
-* ``loss_layer``: :func:`vocab_parallel_linear_loss` (the loss inside: backward in forward).
+* ``loss_layer``: :func:`vocab_parallel_linear_loss` (the loss inside: backward in forward);
+* ``block_matmuls``: the fused ops' three matmuls per block alone, no statistics (what the
+  BLAS and one block of logits cost by themselves: the difference to ``loss_layer`` is the
+  statistics' share).
 
 Reported per method: matmul FLOPs over those of one ``N x H x V`` matmul (``torch.utils.
 flop_counter``), and the peak resident memory above the inputs during forward + backward
@@ -20,7 +23,7 @@ does not grow with ``N`` (two ``N`` per run show it); on CUDA the Triton kernels
 temporaries, leaving the bf16 block (``2^27`` logits, 256 MiB by default) and ``[N]``
 vectors.
 
-Run (CPU, ~3 minutes on 2 cores)::
+Run (CPU, several minutes on 2 cores)::
 
     python benchmarks/fused_layer.py
     python benchmarks/fused_layer.py --tokens 1024 4096 --vocab 32064 --hidden 512 --json f.json
@@ -44,7 +47,7 @@ from reco_megatron.parallel.linear_loss import vocab_parallel_linear_loss
 from reco_megatron.parallel.linear_stats import vocab_parallel_linear_stats
 from reco_megatron.testing import run_distributed
 
-METHODS = ("unfused", "stats_layer", "loss_layer")
+METHODS = ("unfused", "stats_layer", "loss_layer", "block_matmuls")
 M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
 
 
@@ -58,8 +61,20 @@ def _step(method: str, h, w, target, block: int | None) -> None:
         _loss(vocab_parallel_stats(F.linear(h, w), target, vocab, inplace_backward=True)).backward()
     elif method == "stats_layer":
         _loss(vocab_parallel_linear_stats(h, w, target, vocab, block_tokens=block)).backward()
-    else:
+    elif method == "loss_layer":
         vocab_parallel_linear_loss(h, w, target, _loss, vocab, block_tokens=block)[0].backward()
+    else:
+        _block_matmuls(h, w, block or max(1, (1 << 22) // vocab))
+
+
+def _block_matmuls(h: torch.Tensor, w: torch.Tensor, block: int) -> None:
+    with torch.no_grad():
+        dh, dw = torch.empty_like(h), torch.zeros_like(w)
+        for start in range(0, h.shape[0], block):
+            sl = slice(start, min(start + block, h.shape[0]))
+            z = torch.matmul(h[sl], w.t())
+            torch.mm(z, w, out=dh[sl])
+            torch.addmm(dw, z.t(), h[sl], out=dw)
 
 
 def _status_bytes(key: str) -> int:
@@ -110,13 +125,14 @@ def main() -> None:
     parser.add_argument(
         "--block-tokens", type=int, help="tokens per block of the fused ops (default: theirs)"
     )
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--json", help="also write the rows as JSON to this file")
     args = parser.parse_args()
     rows = []
     print("| N x V x H | method | matmuls | extra MiB | extra / bf16 logits | CPU s |")
     print("|---|---|---:|---:|---:|---:|")
     for n in args.tokens:
-        for method in METHODS:
+        for method in args.methods:
             shape = (method, n, args.vocab, args.hidden, args.block_tokens)
             row = run_distributed(_measure, 1, args=shape, timeout=900)[0]
             rows.append(row)

@@ -16,8 +16,8 @@ arguments divisible by 16, as Triton's own launcher decides them), and its SASS 
   whether its loads are 128-bit;
 * an issue-time model: at one warp instruction per cycle per scheduler (132 SMs x 4 x
   1.98 GHz on an H100 SXM; the H200 has the same SMs), the milliseconds the main loops of
-  forward + backward need at 8192 x 128256 (ignoring latency, so a lower bound when the
-  model's time exceeds the memory bound: 6 bytes per bf16 logit at ~4.0 TB/s, 1.57 ms).
+  forward + backward need at 8192 x 128256 (ignoring latency: a lower bound, to compare with
+  the memory bound of 6 bytes per bf16 logit, 1.49 ms at ~4.2 TB/s).
 
 Then, in a child process with ``TRITON_INTERPRET=1`` (Triton's interpreter: the CPU runs the
 kernels), torch launches per forward + backward of ``vocab_parallel_stats`` are counted with

@@ -61,7 +61,8 @@ def _compare(results, spec: Spec, interpreted: bool) -> None:
 
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory) -> dict[str, object]:
-    """Every spec's per-rank results from one interpreter process (~1-2 min on 2 cores)."""
+    """Every spec's per-rank results from one interpreter process (~1-2 min on 2 free cores;
+    the timeout allows for a loaded machine)."""
     path = tmp_path_factory.mktemp("triton") / "results.pkl"
     code = "import sys; from tests.parallel._triton_interpreted import main; main(sys.argv[1])"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
