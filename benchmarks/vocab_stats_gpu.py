@@ -103,9 +103,10 @@ def _fused_ours(h, w, target):
 def _fused_loss_ours(h, w, target):
     from reco_megatron.parallel.linear_loss import vocab_parallel_linear_loss
 
-    loss, _ = vocab_parallel_linear_loss(
-        h, w, target, lambda s: s.logprob.sum() + s.entropy.sum() + s.sum_p2.sum(), w.shape[0]
-    )
+    def loss_fn(s):
+        return s.logprob.sum() + s.entropy.sum() + s.sum_p2.sum()
+
+    loss, _ = vocab_parallel_linear_loss(h, w, target, loss_fn, w.shape[0], implementation="triton")
     return loss
 
 
