@@ -127,27 +127,6 @@ def backward_grad(
     return grad.to(logits.dtype)
 
 
-def combine_partials(
-    local_max: torch.Tensor,
-    local: torch.Tensor,
-    global_max: torch.Tensor,
-    in_shard: torch.Tensor,
-) -> torch.Tensor:
-    """Rescale one shard's ``[N, 4]`` partials from its own max to the global one.
-
-    ``S, T, Q`` relative to ``m_l`` become relative to ``m >= m_l`` (``r = exp(m_l - m)``):
-    ``S r``, ``r (T + (m_l - m) S)``, ``Q r^2``; the raw target logit becomes ``z_t - m``
-    where ``in_shard`` and 0 elsewhere. Rows of an empty shard (``m_l = -inf``, sums 0)
-    give 0. All ``[N]`` / ``[N, 4]`` fp32.
-    """
-    s, t, q, z_t = local.unbind(-1)
-    has = s > 0
-    shift = torch.where(has, local_max - global_max, torch.zeros_like(s))
-    r = torch.where(has, torch.exp(shift), torch.zeros_like(s))
-    target = torch.where(in_shard, z_t - global_max, torch.zeros_like(z_t))
-    return torch.stack([s * r, r * (t + shift * s), q * r * r, target], dim=-1)
-
-
 def gradient_coefficient(
     lse: torch.Tensor,
     entropy: torch.Tensor,

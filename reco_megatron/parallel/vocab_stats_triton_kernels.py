@@ -10,15 +10,16 @@ tile raises a sub-row's max from ``m`` to ``m'`` (``a = 2^((m - m') log2 e)``)::
 
     S' = a S,   T' = a (T + (m - m') log2(e) S),   Q' = a^2 Q
 
-The tiles before the last are loaded without a mask; the last (partial) tile once, masked.
+Two tiles per loop iteration (two 16-byte loads in flight per thread); the tiles before the
+last pair are loaded without a mask, the last (partial) pair once, masked.
 After the row, the ``ROWS`` states merge with the same rescaling into one (a block-wide
-reduction, once per row), which is also how tensor-parallel shards combine
-(:func:`reco_megatron.parallel.vocab_stats_kernels.combine_partials`).
+reduction, once per row), which is also how tensor-parallel shards combine (``_combine``).
 
 ``-inf`` logits (a masked vocabulary entry): ``d`` is clamped at ``-200`` (``2^-200`` is 0
 in fp32, flushed), so such an entry adds exactly 0 to ``S``, ``T`` (``0 * -200``, never
 ``0 * -inf``) and ``Q``; a sub-row, a tile or a whole shard of ``-inf`` keeps ``m = -inf``,
-``S = 0`` and rescales with a finite stand-in for its max. Its gradient is 0.
+``S = 0`` and rescales with a finite stand-in for its max. Its gradient is 0. (A row with
+every logit ``-inf`` on every shard has no distribution: its statistics are not finite.)
 
 With ``FINISH`` (no tensor parallelism) the epilogue writes the statistics themselves::
 
