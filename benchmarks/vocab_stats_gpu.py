@@ -19,7 +19,9 @@ Output layer + statistics from hidden ``[N, H]`` and weight ``[V, H]`` (``--hidd
 * ``matmuls``: ``h W^T`` forward and its two backward matmuls alone (what any fused layer must do);
 * ``matmul_ours_inplace``: the matmul, then ``ours_triton_inplace``;
 * ``fused_ours``: ``parallel.linear_stats.vocab_parallel_linear_stats`` (Triton, default
-  blocks: the logits never exist whole);
+  blocks: the logits never exist whole; 4 matmuls, its backward recomputes the logits);
+* ``fused_loss_ours``: ``parallel.linear_loss.vocab_parallel_linear_loss`` with the loss
+  ``sum(log p + H + sum p^2)`` inside (3 matmuls: the backward runs in the forward);
 * ``liger_flce``: Liger's fused linear cross entropy (log p only), if ``liger_kernel`` imports.
 
 Reported: median CUDA-event time over ``--reps`` after a warm-up, the bound (6 bytes per
@@ -105,6 +107,16 @@ def _fused_ours(h, w, target):
     return s.logprob.sum() + s.entropy.sum() + s.sum_p2.sum()
 
 
+def _fused_loss_ours(h, w, target):
+    from reco_megatron.parallel.linear_loss import vocab_parallel_linear_loss
+
+    def loss_fn(s):
+        return s.logprob.sum() + s.entropy.sum() + s.sum_p2.sum()
+
+    loss, _ = vocab_parallel_linear_loss(h, w, target, loss_fn, w.shape[0], implementation="triton")
+    return loss
+
+
 def _liger_flce(h, w, target):
     from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
@@ -138,6 +150,7 @@ def layer_methods(device: str) -> dict[str, Callable]:
     if device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         methods["matmul_ours_inplace"] = _matmul_ours
         methods["fused_ours"] = _fused_ours
+        methods["fused_loss_ours"] = _fused_loss_ours
     if device == "cuda" and _have("liger_kernel"):
         methods["liger_flce"] = _liger_flce
     return methods

@@ -42,6 +42,7 @@ from reco_megatron.algo import LossConfig, TokenStats, policy_loss
 from reco_megatron.megatron.batch import RolloutBatch
 from reco_megatron.megatron.device import check_on_device
 from reco_megatron.parallel import vocab_parallel_stats
+from reco_megatron.parallel.linear_loss import vocab_parallel_linear_loss
 from reco_megatron.parallel.linear_stats import vocab_parallel_linear_stats
 from reco_megatron.parallel.vocab_stats_kernels import Implementation
 
@@ -63,6 +64,8 @@ class LossContext:
     packed: Any = None
     """With packed sequences (``megatron/packing.py``): the packed labels ``[1, T]`` and the
     layout; the statistics run on the packed row and come back as ``[B, S]``."""
+    fused_block_tokens: int | None = None
+    """With the fused layer: tokens whose logits exist at a time (None: the op's default)."""
 
 
 def denominator_share(mb: RolloutBatch, loss: LossConfig) -> torch.Tensor:
@@ -92,13 +95,12 @@ def _stats(mb: RolloutBatch, ctx: LossContext, logits: torch.Tensor) -> TokenSta
 
 
 def _fused_stats(mb: RolloutBatch, ctx: LossContext, hidden: torch.Tensor) -> TokenStats:
-    """Output layer + statistics without the logits: ``hidden [B, S(/TP), H]`` is what
-    ``model.fuse_output_layer`` makes the model return, in the parameters' dtype (the cast to
-    the weight's dtype is then a no-op; it guards wrappers such as megatron's Float16Module,
-    which upcast the last stage's output to fp32: the cast back is exact)."""
-    if ctx.output_weight is None:
-        raise RuntimeError("fused_output_layer needs the output weight in the LossContext")
-    weight = ctx.output_weight
+    """Output layer + statistics without the logits (forward-only passes): ``hidden
+    [B, S(/TP), H]`` is what ``model.fuse_output_layer`` makes the model return, in the
+    parameters' dtype (the cast to the weight's dtype is then a no-op; it guards wrappers such
+    as megatron's Float16Module, which upcast the last stage's output to fp32: the cast back
+    is exact)."""
+    weight = _output_weight(ctx)
     stats = vocab_parallel_linear_stats(
         hidden.transpose(0, 1).to(weight.dtype),  # [S(/TP), B, H], megatron's layout
         weight,
@@ -106,25 +108,75 @@ def _fused_stats(mb: RolloutBatch, ctx: LossContext, hidden: torch.Tensor) -> To
         ctx.vocab_size,
         tp_group=ctx.tp_group,
         sequence_parallel=ctx.sequence_parallel,
+        block_tokens=ctx.fused_block_tokens,
         implementation=ctx.stats_implementation,
     )
     return TokenStats(*(x.t() for x in stats))
 
 
-def policy_loss_func(
-    mb: RolloutBatch, ctx: LossContext, logits: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """Megatron 3-tuple ``(numerator, denominator share, metrics)`` of one micro-batch.
+def _output_weight(ctx: LossContext) -> torch.Tensor:
+    if ctx.output_weight is None:
+        raise RuntimeError("fused_output_layer needs the output weight in the LossContext")
+    return ctx.output_weight
 
-    ``logits``: ``[B, S, V/TP]`` this rank's vocabulary shard.
-    """
-    if mb.old_logprobs is None:
-        raise RuntimeError("the old-policy pass must fill old_logprobs before training")
-    stats = _stats(mb, ctx, logits)
+
+Objective = Callable[[TokenStats], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+"""``objective(stats [B, S]) -> (numerator, metrics)`` of one micro-batch."""
+
+
+def _fused_objective(
+    mb: RolloutBatch, ctx: LossContext, hidden: torch.Tensor, objective: Objective
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Output layer + statistics + loss in one op with 3 matmuls
+    (:func:`vocab_parallel_linear_loss`): the numerator's gradient is computed block by block
+    in the forward. Every objective here is token-separable (a sum of per-token terms with
+    global normalisers), which that op needs. The metrics come from a second evaluation on
+    the detached statistics."""
+    weight = _output_weight(ctx)
+    labels = mb.labels.t()  # [S, B]: megatron's layout, in which the op flattens the tokens
+    seq, batch = labels.shape
+
+    def numerator(flat: TokenStats) -> torch.Tensor:
+        return objective(TokenStats(*(x.view(seq, batch).t() for x in flat)))[0]
+
+    zeros = torch.zeros(seq * batch, device=labels.device)
+    old_sum_p2 = zeros if mb.old_sum_p2 is None else mb.old_sum_p2.t().reshape(-1)
+    old_logprob = zeros if mb.old_logprobs is None else mb.old_logprobs.t().reshape(-1)
+    loss, stats = vocab_parallel_linear_loss(
+        hidden.transpose(0, 1).to(weight.dtype),  # [S(/TP), B, H]
+        weight,
+        labels,
+        numerator,
+        ctx.vocab_size,
+        tp_group=ctx.tp_group,
+        sequence_parallel=ctx.sequence_parallel,
+        block_tokens=ctx.fused_block_tokens,
+        implementation=ctx.stats_implementation,
+        fill=TokenStats(old_logprob, zeros, old_sum_p2),  # finite stand-ins
+    )
+    _, metrics = objective(TokenStats(*(x.t() for x in stats)))
+    return loss, metrics
+
+
+def _objective(
+    mb: RolloutBatch, ctx: LossContext, output: torch.Tensor, objective: Objective
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``objective`` of this micro-batch's statistics: from the logits, or, with the fused
+    output layer, from the hidden states in one op. Packed rows (THD) with the fused layer
+    take the statistics op with autograd (4 matmuls): the one-op loss evaluates the objective
+    in the packed row's token order, which the unpacking to ``[B, S]`` would have to follow."""
+    if ctx.fused_output_layer and ctx.packed is None:
+        return _fused_objective(mb, ctx, output, objective)
+    return objective(_stats(mb, ctx, output))
+
+
+def _policy_objective(
+    mb: RolloutBatch, ctx: LossContext, stats: TokenStats
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     stats_old = None
     if mb.old_sum_p2 is not None:
         stats_old = TokenStats(mb.old_logprobs, torch.zeros_like(mb.old_logprobs), mb.old_sum_p2)
-    numerator, metrics = policy_loss(
+    return policy_loss(
         stats.logprob,
         mb.old_logprobs,
         mb.advantages,
@@ -138,6 +190,19 @@ def policy_loss_func(
         global_num_seqs=1.0,
         rollout_logp=mb.rollout_logprobs if ctx.loss.tis_cap is not None else None,
     )
+
+
+def policy_loss_func(
+    mb: RolloutBatch, ctx: LossContext, output: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Megatron 3-tuple ``(numerator, denominator share, metrics)`` of one micro-batch.
+
+    ``output``: ``[B, S, V/TP]`` this rank's vocabulary shard of the logits, or with the
+    fused output layer the hidden states ``[B, S(/TP), H]``.
+    """
+    if mb.old_logprobs is None:
+        raise RuntimeError("the old-policy pass must fill old_logprobs before training")
+    numerator, metrics = _objective(mb, ctx, output, partial(_policy_objective, mb, ctx))
     count = denominator_share(mb, ctx.loss)
     metrics = dict(metrics)
     metrics["loss_numerator/sum"] = numerator.detach().float()
@@ -159,21 +224,24 @@ def statistics_func(
     return zero, torch.zeros((), dtype=torch.int, device=logits.device), out
 
 
-def sft_loss_func(
-    mb: RolloutBatch, ctx: LossContext, logits: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """Supervised warm-up: token-mean negative log-likelihood of the response tokens, in the
-    same per-token contract (numerator, token count) as :func:`policy_loss_func`."""
-    stats = _stats(mb, ctx, logits)
+def _sft_objective(mb: RolloutBatch, stats: TokenStats):
     mask = mb.loss_mask
     numerator = -(stats.logprob * mask).sum()
-    count = mask.sum().to(torch.int)
-    metrics = {
+    count = mask.sum()
+    return numerator, {
         "loss_numerator/sum": numerator.detach().float(),
         "loss_denominator/sum": count.float(),
         "num_tokens/sum": count.float(),
     }
-    return numerator, count, metrics
+
+
+def sft_loss_func(
+    mb: RolloutBatch, ctx: LossContext, output: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Supervised warm-up: token-mean negative log-likelihood of the response tokens, in the
+    same per-token contract (numerator, token count) as :func:`policy_loss_func`."""
+    numerator, metrics = _objective(mb, ctx, output, partial(_sft_objective, mb))
+    return numerator, mb.loss_mask.sum().to(torch.int), metrics
 
 
 def make_forward_step(

@@ -6,16 +6,17 @@
 
 * forward: for each block of ``b`` tokens, ``z = h_blk W^T`` (``[b, V/TP]`` in the hidden
   dtype: a bf16 matmul accumulates in fp32 and rounds once, as the unfused layer does), then
-  the block's partials relative to the shard's own max (``m_local``, ``S``, ``T``, ``Q`` and
-  the raw target logit; the Triton kernel or the eager math). After the loop: one MAX
-  all-reduce of ``m_local``, each rank rescales its sums to the global max
-  (:func:`combine_partials`), one SUM all-reduce of ``[N, 4]``; the statistics follow as in
-  the unfused op.
+  the block's statistics (:func:`vocab_stats_passes.statistics`: the Triton kernels or the
+  eager math, with the MAX and SUM all-reduces of the block's ``[b]`` / ``[b, 4]``).
 * backward: for each block, recompute ``z``, turn it into ``dz`` in place (same formula and
   kernels as the op), then ``dh_blk = dz W`` and ``dW += dz^T h_blk`` (accumulated in the
   weight's dtype, as Liger's fused linear cross entropy does: a bf16 weight gets one rounding
-  per block). ``dh`` is summed over the TP group (all-reduce), or reduce-scattered back to
-  the sequence shards with sequence parallelism: what megatron's input mappings do.
+  per block). ``dh`` is summed over the TP group (all-reduce), and under sequence parallelism
+  each rank keeps its shard of the sum (all-reduce + slice: megatron reduce-scatters, which
+  gloo lacks).
+
+That is 4 matmuls (the forward one twice). When the statistics feed a loss computed right
+away, :mod:`linear_loss` does the backward inside the forward: 3 matmuls.
 
 Sequence parallelism: ``hidden`` is this rank's sequence shard ``[S/TP, ...]`` and is
 all-gathered along dim 0 (and again in backward, instead of being saved gathered), so
@@ -29,163 +30,189 @@ hidden states under sequence parallelism, and a few fp32 scalars per token; inde
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
 from reco_megatron.algo.token_stats import TokenStats
-from reco_megatron.parallel.vocab_stats import statistics_from_partials
-from reco_megatron.parallel.vocab_stats_kernels import (
-    Implementation,
-    combine_partials,
-    gradient_coefficient,
-    kernels,
-    resolve,
-)
+from reco_megatron.parallel import vocab_stats_passes as passes
+from reco_megatron.parallel.vocab_stats_kernels import Implementation, resolve
 
 DEFAULT_BLOCK_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 27}
 """Logits per block: 16 MiB of fp32 on CPU; 256 MiB of bf16 on CUDA (~1K tokens at 128K)."""
 
 
-def _gather(hidden: torch.Tensor, group, tp_size: int) -> torch.Tensor:
-    parts = [torch.empty_like(hidden) for _ in range(tp_size)]
-    dist.all_gather(parts, hidden.contiguous(), group=group)
-    return torch.cat(parts, dim=0)
+@dataclass(frozen=True)
+class Layout:
+    """Where this rank's shard sits and how the tokens are blocked (checked inputs)."""
+
+    vocab_start: int
+    valid: int
+    vocab_size: int
+    block: int
+    group: Any
+    tp_size: int
+    sequence_parallel: bool
+    implementation: str
+
+    def gather(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[n, H]`` -> ``[N, H]``: all sequence shards, along dim 0 (identity without SP)."""
+        if not self.sequence_parallel:
+            return hidden
+        parts = [torch.empty_like(hidden) for _ in range(self.tp_size)]
+        dist.all_gather(parts, hidden.contiguous(), group=self.group)
+        return torch.cat(parts, dim=0)
+
+    def reduce_hidden_grad(self, grad_full: torch.Tensor, n_local: int) -> torch.Tensor:
+        """Sum ``dh [N, H]`` over the TP group; under SP keep this rank's rows."""
+        if self.tp_size > 1:
+            dist.all_reduce(grad_full, group=self.group)
+        if self.sequence_parallel:
+            rank = dist.get_rank(self.group)
+            grad_full = grad_full.narrow(0, rank * n_local, n_local).clone()
+        return grad_full
+
+    def block_statistics(self, logits: torch.Tensor, target: torch.Tensor):
+        """``logprob, entropy, sum_p2, lse`` of one block's logits ``[b, V/TP]``."""
+        return passes.statistics(
+            self.implementation,
+            logits,
+            target,
+            self.vocab_start,
+            self.valid,
+            self.vocab_size,
+            logits.shape[0],
+            self.group,
+            self.tp_size > 1,
+        )
+
+    def block_gradient(self, logits, target, lse, entropy, sum_p2, grads) -> torch.Tensor:
+        """``dz`` of one block, written over ``logits`` (a temporary)."""
+        return passes.gradient(
+            self.implementation,
+            logits,
+            target,
+            self.vocab_start,
+            self.valid,
+            lse,
+            entropy,
+            sum_p2,
+            grads,
+            True,
+            logits.shape[0],
+        )
+
+    def blocks(self, n_tokens: int):
+        """Slices of ``block`` tokens covering ``[0, n_tokens)``."""
+        for start in range(0, n_tokens, self.block):
+            yield slice(start, min(start + self.block, n_tokens))
 
 
-def _block_partials(
-    implementation: str,
-    logits: torch.Tensor,
-    target_local: torch.Tensor,
-    in_shard: torch.Tensor,
-    valid: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``m_local [b]`` and ``[b, 4]`` (S, T, Q relative to it, raw target logit)."""
-    if implementation == "triton":
+def prepare(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    vocab_size: int,
+    tp_group: Any,
+    sequence_parallel: bool,
+    block_tokens: int | None,
+    implementation: Implementation,
+) -> tuple[Layout, torch.Tensor, torch.Tensor]:
+    """Check the inputs of a fused output layer; ``(layout, hidden [n, H], target [N])``."""
+    tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
+    tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
+    if hidden.shape[-1] != weight.shape[-1] or weight.dim() != 2:
+        raise ValueError(
+            f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} must share the "
+            "hidden size: weight is [V/TP, H], hidden [..., H]"
+        )
+    if hidden.dtype != weight.dtype:
+        raise TypeError(
+            f"hidden is {hidden.dtype} but weight is {weight.dtype}: cast hidden to the "
+            "weight's dtype (wrappers such as megatron's Float16Module upcast the model output)"
+        )
+    if sequence_parallel and tp_size == 1:
+        raise ValueError("sequence_parallel=True needs a tensor-parallel group of size > 1")
+    lead = (hidden.shape[0] * (tp_size if sequence_parallel else 1), *hidden.shape[1:-1])
+    if tuple(target.shape) != lead:
+        raise ValueError(
+            f"target {tuple(target.shape)} must have the (gathered) leading shape {lead} of "
+            f"hidden {tuple(hidden.shape)}"
+        )
+    vocab_local = weight.shape[0]
+    if not 0 < vocab_size <= vocab_local * tp_size:
+        raise ValueError(
+            f"vocab_size={vocab_size} does not fit {tp_size} shard(s) of {vocab_local} rows"
+        )
+    if target.is_floating_point():
+        raise TypeError(f"target must hold integer token ids, got {target.dtype}")
+    flat_target = target.reshape(-1).long()
+    passes.check_targets(flat_target, vocab_size)
+    vocab_start = tp_rank * vocab_local
+    resolved = resolve(implementation, hidden)
+    if resolved == "triton":
         from reco_megatron.parallel import vocab_stats_triton
 
-        return vocab_stats_triton.local_partials(logits, target_local, valid)
-    n = logits.shape[0]
-    dtype = torch.promote_types(logits.dtype, torch.float32)
-    if valid == 0:
-        return torch.full((n,), float("-inf"), dtype=dtype, device=logits.device), torch.zeros(
-            n, 4, dtype=dtype, device=logits.device
-        )
-    z = logits[:, :valid]
-    m_local = z.amax(dim=-1).to(dtype)
-    safe = target_local.clamp(min=0)
-    part = kernels(implementation)[0](z, m_local, safe, in_shard)
-    raw = z.gather(-1, safe.unsqueeze(-1)).squeeze(-1).to(dtype)
-    part[:, 3] = torch.where(in_shard, raw, torch.zeros_like(raw))
-    return m_local, part
-
-
-def _block_gradient(
-    implementation: str,
-    logits: torch.Tensor,
-    target_local: torch.Tensor,
-    in_shard: torch.Tensor,
-    valid: int,
-    lse: torch.Tensor,
-    entropy: torch.Tensor,
-    sum_p2: torch.Tensor,
-    grads: tuple[torch.Tensor | None, ...],
-) -> torch.Tensor:
-    """``dz`` of one block, written over ``logits`` (a temporary here)."""
-    if implementation == "triton":
-        from reco_megatron.parallel import vocab_stats_triton
-
-        coef = gradient_coefficient(lse, entropy, sum_p2, *grads)
-        return vocab_stats_triton.gradient(
-            logits, target_local, lse, coef, *grads, n_valid=valid, inplace=True
-        )
-    if valid > 0:
-        safe = target_local.clamp(min=0)
-        logits[:, :valid] = kernels(implementation)[1](
-            logits[:, :valid], lse, entropy, sum_p2, safe, in_shard, *grads
-        )
-    logits[:, valid:] = 0
-    return logits
+        vocab_stats_triton.check_device(hidden)
+    if block_tokens is None:
+        elements = DEFAULT_BLOCK_ELEMENTS["cuda" if hidden.is_cuda else "cpu"]
+        block_tokens = max(1, elements // max(1, vocab_local))
+    if block_tokens < 1:
+        raise ValueError(f"block_tokens must be positive, got {block_tokens}")
+    layout = Layout(
+        vocab_start=vocab_start,
+        valid=max(0, min(vocab_local, vocab_size - vocab_start)),
+        vocab_size=vocab_size,
+        block=block_tokens,
+        group=tp_group,
+        tp_size=tp_size,
+        sequence_parallel=sequence_parallel,
+        implementation=resolved,
+    )
+    return layout, hidden.reshape(-1, hidden.shape[-1]), flat_target
 
 
 class _LinearStats(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx,
-        hidden: torch.Tensor,  # [n_local, H]
-        weight: torch.Tensor,  # [V_local, H]
-        target: torch.Tensor,  # [N] global ids
-        vocab_start: int,
-        valid: int,
-        block: int,
-        group,
-        tp_size: int,
-        sequence_parallel: bool,
-        implementation: str,
-    ):
-        full = _gather(hidden, group, tp_size) if sequence_parallel else hidden
+    def forward(ctx, hidden, weight, target, layout: Layout):  # type: ignore[override]
+        full = layout.gather(hidden)
         n_tokens = full.shape[0]
-        local_target = target - vocab_start
-        in_shard = (local_target >= 0) & (local_target < valid) & (target >= 0)
-        target_local = torch.where(in_shard, local_target, torch.full_like(local_target, -1))
         dtype = torch.promote_types(full.dtype, torch.float32)
-        local_max = torch.empty(n_tokens, dtype=dtype, device=full.device)
-        local = torch.empty(n_tokens, 4, dtype=dtype, device=full.device)
-        for start in range(0, n_tokens, block):
-            sl = slice(start, min(start + block, n_tokens))
+        out = [torch.empty(n_tokens, dtype=dtype, device=full.device) for _ in range(4)]
+        for sl in layout.blocks(n_tokens):
             logits = torch.matmul(full[sl], weight.t())
-            local_max[sl], local[sl] = _block_partials(
-                implementation, logits, target_local[sl], in_shard[sl], valid
-            )
+            for row, value in zip(out, layout.block_statistics(logits, target[sl]), strict=True):
+                row[sl] = value
             del logits
-        global_max = local_max.clone()
-        if tp_size > 1:
-            dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
-        partials = combine_partials(local_max, local, global_max, in_shard)
-        if tp_size > 1:
-            dist.all_reduce(partials, op=dist.ReduceOp.SUM, group=group)
-        logprob, entropy, sum_p2, lse = statistics_from_partials(partials, global_max, target)
-        ignored = target < 0
-        ctx.save_for_backward(hidden, weight, target_local, in_shard, ignored, lse, entropy, sum_p2)
-        ctx.meta = (valid, block, group, tp_size, sequence_parallel, implementation)
+        logprob, entropy, sum_p2, lse = out
+        ctx.save_for_backward(hidden, weight, target, lse, entropy, sum_p2)
+        ctx.layout = layout
         ctx.set_materialize_grads(False)
         return logprob, entropy, sum_p2
 
     @staticmethod
     def backward(ctx, g_logprob, g_entropy, g_sum_p2):  # type: ignore[override]
-        hidden, weight, target_local, in_shard, ignored, lse, entropy, sum_p2 = ctx.saved_tensors
-        valid, block, group, tp_size, sequence_parallel, implementation = ctx.meta
-        if g_logprob is not None:  # an ignored position's logprob is the constant 0
-            g_logprob = g_logprob.masked_fill(ignored, 0.0)
-        full = _gather(hidden, group, tp_size) if sequence_parallel else hidden
+        hidden, weight, target, lse, entropy, sum_p2 = ctx.saved_tensors
+        layout: Layout = ctx.layout
+        full = layout.gather(hidden)
         grad_full = torch.zeros_like(full)
         grad_weight = torch.zeros_like(weight)
         grads = tuple(
             None if g is None else g.to(lse.dtype) for g in (g_logprob, g_entropy, g_sum_p2)
         )
         if any(g is not None for g in grads):
-            for start in range(0, full.shape[0], block):
-                sl = slice(start, min(start + block, full.shape[0]))
+            for sl in layout.blocks(full.shape[0]):
                 logits = torch.matmul(full[sl], weight.t())
-                dz = _block_gradient(
-                    implementation,
-                    logits,
-                    target_local[sl],
-                    in_shard[sl],
-                    valid,
-                    lse[sl],
-                    entropy[sl],
-                    sum_p2[sl],
-                    tuple(None if g is None else g[sl].contiguous() for g in grads),
+                block_grads = tuple(None if g is None else g[sl].contiguous() for g in grads)
+                dz = layout.block_gradient(
+                    logits, target[sl], lse[sl], entropy[sl], sum_p2[sl], block_grads
                 )
                 torch.matmul(dz, weight, out=grad_full[sl])
-                grad_weight.addmm_(dz.t(), full[sl])
+                torch.addmm(grad_weight, dz.t(), full[sl], out=grad_weight)
                 del logits, dz
-        if tp_size > 1:
-            dist.all_reduce(grad_full, group=group)
-        if sequence_parallel:
-            rank = dist.get_rank(group)
-            grad_full = grad_full.narrow(0, rank * hidden.shape[0], hidden.shape[0]).clone()
-        return grad_full, grad_weight, *(None,) * 8
+        return layout.reduce_hidden_grad(grad_full, hidden.shape[0]), grad_weight, None, None
 
 
 def vocab_parallel_linear_stats(
@@ -219,58 +246,16 @@ def vocab_parallel_linear_stats(
         :class:`TokenStats` shaped like ``target``; gradients flow into ``hidden`` and
         ``weight``.
     """
-    tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
-    tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
-    if hidden.shape[-1] != weight.shape[-1] or weight.dim() != 2:
-        raise ValueError(
-            f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} must share the "
-            "hidden size: weight is [V/TP, H], hidden [..., H]"
-        )
-    if hidden.dtype != weight.dtype:
-        raise TypeError(
-            f"hidden is {hidden.dtype} but weight is {weight.dtype}: cast hidden to the "
-            "weight's dtype (wrappers such as megatron's Float16Module upcast the model output)"
-        )
-    if sequence_parallel and tp_size == 1:
-        raise ValueError("sequence_parallel=True needs a tensor-parallel group of size > 1")
-    lead = (hidden.shape[0] * (tp_size if sequence_parallel else 1), *hidden.shape[1:-1])
-    if tuple(target.shape) != lead:
-        raise ValueError(
-            f"target {tuple(target.shape)} must have the (gathered) leading shape {lead} of "
-            f"hidden {tuple(hidden.shape)}"
-        )
-    vocab_local = weight.shape[0]
-    if not 0 < vocab_size <= vocab_local * tp_size:
-        raise ValueError(
-            f"vocab_size={vocab_size} does not fit {tp_size} shard(s) of {vocab_local} rows"
-        )
-    flat_target = target.reshape(-1).long()
-    if flat_target.numel() and int(flat_target.max()) >= vocab_size:
-        raise ValueError(f"target contains an id >= vocab_size={vocab_size}")
-    vocab_start = tp_rank * vocab_local
-    valid = max(0, min(vocab_local, vocab_size - vocab_start))
-    resolved = resolve(implementation, hidden)
-    if resolved == "triton":
-        from reco_megatron.parallel import vocab_stats_triton
-
-        vocab_stats_triton.check_device(hidden)
-    if block_tokens is None:
-        elements = DEFAULT_BLOCK_ELEMENTS["cuda" if hidden.is_cuda else "cpu"]
-        block_tokens = max(1, elements // max(1, vocab_local))
-    if block_tokens < 1:
-        raise ValueError(f"block_tokens must be positive, got {block_tokens}")
-    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
-    logprob, entropy, sum_p2 = _LinearStats.apply(
-        flat_hidden,
+    layout, flat_hidden, flat_target = prepare(
+        hidden,
         weight,
-        flat_target,
-        vocab_start,
-        valid,
-        block_tokens,
+        target,
+        vocab_size,
         tp_group,
-        tp_size,
         sequence_parallel,
-        resolved,
+        block_tokens,
+        implementation,
     )
+    logprob, entropy, sum_p2 = _LinearStats.apply(flat_hidden, weight, flat_target, layout)
     shape = target.shape
     return TokenStats(logprob.view(shape), entropy.view(shape), sum_p2.view(shape))

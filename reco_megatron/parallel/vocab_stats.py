@@ -26,12 +26,19 @@ eager/compiled paths upcast one chunk of ``chunk_size`` tokens at a time, in the
 (after a first pass for the max) and again in the backward (recompute is cheaper than keeping
 ``p``). The ``triton`` kernels read each logit once per direction with an online max (each
 shard's sums are rescaled to the global max between the two all-reduces) and write the
-gradient once. The caller's logits are modified only with ``inplace_backward`` (the gradient
-then overwrites them; megatron's own cross entropy always works in place on fp32 input).
+gradient once: one launch per direction without tensor parallelism, no host
+synchronisation. The caller's logits are modified only with ``inplace_backward`` (the
+gradient then overwrites them; megatron's own cross entropy always works in place on fp32
+input). The passes themselves are in :mod:`vocab_stats_passes`.
+
+``-inf`` logits (masked vocabulary entries) contribute nothing to any sum and get a zero
+gradient, in every implementation; a shard of nothing but ``-inf`` combines like an empty one.
 
 Targets: ids in ``[0, vocab_size)``; a negative id marks an ignored position (its ``logprob``
 is 0 and gets no gradient; ``entropy`` and ``sum_p2`` are still computed). Ids at or above
-``vocab_size`` are an error.
+``vocab_size`` are an error, raised on the host when the targets are on the CPU or
+``RECO_CHECK_TARGETS=1``; otherwise (a GPU, where the check would synchronise) their
+``logprob`` is NaN.
 """
 
 from __future__ import annotations
@@ -40,13 +47,8 @@ import torch
 import torch.distributed as dist
 
 from reco_megatron.algo.token_stats import TokenStats
-from reco_megatron.parallel.vocab_stats_kernels import (
-    Implementation,
-    combine_partials,
-    gradient_coefficient,
-    kernels,
-    resolve,
-)
+from reco_megatron.parallel import vocab_stats_passes as passes
+from reco_megatron.parallel.vocab_stats_kernels import Implementation, resolve
 
 DEFAULT_CHUNK_ELEMENTS = 1 << 22
 """Default chunk of the eager/compiled paths on CPU: this many logits (16 MiB of fp32 per
@@ -72,71 +74,8 @@ def _chunk_tokens(chunk_size: int | None, vocab_local: int, device: torch.device
     return chunk_size
 
 
-def _local_partials_chunked(
-    implementation: str,
-    valid: torch.Tensor,
-    safe_target: torch.Tensor,
-    in_shard: torch.Tensor,
-    chunk: int,
-    tp_group: dist.ProcessGroup | None,
-    distributed: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """eager/compiled: the max (pass 1, MAX all-reduce), then partials chunk by chunk."""
-    forward_partials, _ = kernels(implementation)
-    n_tokens, valid_local = valid.shape
-    compute_dtype = torch.promote_types(valid.dtype, torch.float32)  # fp64 stays fp64
-    if valid_local > 0:
-        logits_max = valid.amax(dim=-1).to(compute_dtype)  # exact in the input dtype
-    else:
-        logits_max = torch.full(
-            (n_tokens,), float("-inf"), dtype=compute_dtype, device=valid.device
-        )
-    if distributed:
-        dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=tp_group)
-    partials = torch.zeros(n_tokens, 4, dtype=compute_dtype, device=valid.device)
-    if valid_local > 0:
-        for start in range(0, n_tokens, chunk):
-            sl = slice(start, min(start + chunk, n_tokens))
-            partials[sl] = forward_partials(
-                valid[sl], logits_max[sl], safe_target[sl], in_shard[sl]
-            )
-    return logits_max, partials
-
-
-def _local_partials_triton(
-    logits: torch.Tensor,
-    target_local: torch.Tensor,
-    in_shard: torch.Tensor,
-    valid_local: int,
-    tp_group: dist.ProcessGroup | None,
-    distributed: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """triton: one read of the shard gives its own max and sums; rescaled after the MAX."""
-    from reco_megatron.parallel import vocab_stats_triton as tk
-
-    local_max, local = tk.local_partials(logits, target_local, valid_local)
-    logits_max = local_max.clone()
-    if distributed:
-        dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=tp_group)
-    return logits_max, combine_partials(local_max, local, logits_max, in_shard)
-
-
-def statistics_from_partials(
-    partials: torch.Tensor, logits_max: torch.Tensor, target: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``logprob, entropy, sum_p2, lse`` (each ``[N]``) from the all-reduced ``[N, 4]``
-    partials relative to the global max ``m``: ``(z_t - m) - log S``, ``log S - T/S``,
-    ``Q/S^2`` and ``m + log S``; ignored positions (``target < 0``) get ``logprob = 0``."""
-    sum_exp, sum_exp_shifted, sum_exp_sq, target_shifted = partials.unbind(-1)
-    log_sum_exp = sum_exp.log()
-    logprob = torch.where(target < 0, torch.zeros_like(log_sum_exp), target_shifted - log_sum_exp)
-    entropy = log_sum_exp - sum_exp_shifted / sum_exp
-    sum_p2 = sum_exp_sq / (sum_exp * sum_exp)
-    return logprob, entropy, sum_p2, logits_max + log_sum_exp
-
-
 class _VocabParallelStats(torch.autograd.Function):
-    """Autograd wrapper: the two all-reduces live here, the math in the kernel modules."""
+    """Autograd wrapper of :mod:`vocab_stats_passes` (which holds the all-reduces)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -145,43 +84,26 @@ class _VocabParallelStats(torch.autograd.Function):
         target: torch.Tensor,  # [N] global ids, < 0 ignored
         vocab_start: int,
         valid_local: int,
+        vocab_size: int,
         chunk: int,
         tp_group: dist.ProcessGroup | None,
         distributed: bool,
         implementation: str,
         inplace_backward: bool,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        local_target = target - vocab_start
-        in_shard = (local_target >= 0) & (local_target < valid_local) & (target >= 0)
-        safe_target = torch.where(in_shard, local_target, torch.zeros_like(local_target))
-
-        if implementation == "triton":
-            target_local = torch.where(in_shard, local_target, torch.full_like(local_target, -1))
-            logits_max, partials = _local_partials_triton(
-                logits, target_local, in_shard, valid_local, tp_group, distributed
-            )
-            safe_target = target_local  # the backward kernel takes -1 for "not here"
-        else:
-            logits_max, partials = _local_partials_chunked(
-                implementation,
-                logits[:, :valid_local],
-                safe_target,
-                in_shard,
-                chunk,
-                tp_group,
-                distributed,
-            )
-        if distributed:
-            dist.all_reduce(partials, op=dist.ReduceOp.SUM, group=tp_group)
-
-        logprob, entropy, sum_p2, lse = statistics_from_partials(partials, logits_max, target)
-        ignored = target < 0
-
-        ctx.save_for_backward(logits, safe_target, in_shard, ignored, lse, entropy, sum_p2)
-        ctx.valid_local = valid_local
-        ctx.chunk = chunk
-        ctx.implementation = implementation
-        ctx.inplace_backward = inplace_backward
+        logprob, entropy, sum_p2, lse = passes.statistics(
+            implementation,
+            logits,
+            target,
+            vocab_start,
+            valid_local,
+            vocab_size,
+            chunk,
+            tp_group,
+            distributed,
+        )
+        ctx.save_for_backward(logits, target, lse, entropy, sum_p2)
+        ctx.meta = (vocab_start, valid_local, chunk, implementation, inplace_backward)
         ctx.set_materialize_grads(False)
         return logprob, entropy, sum_p2
 
@@ -192,57 +114,22 @@ class _VocabParallelStats(torch.autograd.Function):
         grad_entropy: torch.Tensor | None,
         grad_sum_p2: torch.Tensor | None,
     ):
-        logits, safe_target, in_shard, ignored, lse, entropy, sum_p2 = ctx.saved_tensors
-        valid_local, chunk = ctx.valid_local, ctx.chunk
-        if grad_logprob is not None:  # an ignored position's logprob is the constant 0
-            grad_logprob = grad_logprob.masked_fill(ignored, 0.0)
-        grads = (grad_logprob, grad_entropy, grad_sum_p2)
-        if ctx.implementation == "triton":
-            grad_logits = _backward_triton(ctx, logits, safe_target, lse, entropy, sum_p2, grads)
-        else:
-            grad_logits = logits.detach() if ctx.inplace_backward else torch.zeros_like(logits)
-            if ctx.inplace_backward:
-                grad_logits[:, valid_local:] = 0
-            if valid_local > 0 and any(g is not None for g in grads):
-                _, backward_grad = kernels(ctx.implementation)
-                for start in range(0, logits.shape[0], chunk):
-                    sl = slice(start, min(start + chunk, logits.shape[0]))
-                    # The chunk is read before it is (maybe in place) overwritten.
-                    grad_logits[sl, :valid_local] = backward_grad(
-                        logits[sl, :valid_local],
-                        lse[sl],
-                        entropy[sl],
-                        sum_p2[sl],
-                        safe_target[sl],
-                        in_shard[sl],
-                        *(None if g is None else g[sl] for g in grads),
-                    )
-            elif ctx.inplace_backward:
-                grad_logits.zero_()
-        return grad_logits, None, None, None, None, None, None, None, None
-
-
-def _backward_triton(ctx, logits, target_local, lse, entropy, sum_p2, grads) -> torch.Tensor:
-    from reco_megatron.parallel import vocab_stats_triton as tk
-
-    g_logprob, g_entropy, g_sum_p2 = grads
-    if all(g is None for g in grads):
-        return logits.detach().zero_() if ctx.inplace_backward else torch.zeros_like(logits)
-    coef_a = gradient_coefficient(lse, entropy, sum_p2, g_logprob, g_entropy, g_sum_p2)
-    grad = tk.gradient(
-        logits,
-        target_local,
-        lse,
-        coef_a,
-        *(None if g is None else g.float().contiguous() for g in grads),
-        n_valid=ctx.valid_local,
-        inplace=ctx.inplace_backward,
-    )
-    if ctx.inplace_backward:
-        # The kernel wrote through a raw pointer: bump the version counter so that any other
-        # autograd node that saved these logits fails loudly instead of reading the gradient.
-        torch.autograd.graph.increment_version(logits)
-    return grad
+        vocab_start, valid_local, chunk, implementation, inplace = ctx.meta
+        logits, target, lse, entropy, sum_p2 = ctx.saved_tensors
+        grad_logits = passes.gradient(
+            implementation,
+            logits,
+            target,
+            vocab_start,
+            valid_local,
+            lse,
+            entropy,
+            sum_p2,
+            (grad_logprob, grad_entropy, grad_sum_p2),
+            inplace,
+            chunk,
+        )
+        return grad_logits, *(None,) * 9
 
 
 def vocab_parallel_stats(
@@ -277,12 +164,16 @@ def vocab_parallel_stats(
         inplace_backward: write the gradient of the logits into ``logits`` itself (as
             megatron's and Liger's cross entropies do): no second logits-sized buffer. Only
             for callers that do not use ``logits`` after the backward; another autograd node
-            that saved the same tensor then fails with PyTorch's in-place error.
+            that saved the same tensor then fails with PyTorch's in-place error. Logits whose
+            elements share memory (``expand``-ed, stride 0) get a new gradient buffer instead.
 
     Returns:
         :class:`TokenStats` of fp32 tensors (fp64 for fp64 logits) shaped like ``target``.
         Gradients flow into ``logits`` from any combination of the three; an unused output
-        costs nothing.
+        costs nothing. ``-inf`` logits (masked vocabulary entries) contribute nothing and get
+        a zero gradient. Target ids at or above ``vocab_size`` raise a ``ValueError`` when
+        the targets are on the CPU or ``RECO_CHECK_TARGETS=1`` (a host synchronisation);
+        otherwise their ``logprob`` is NaN.
     """
     if logits.dim() < 1 or logits.shape[:-1] != target.shape:
         raise ValueError(
@@ -301,18 +192,12 @@ def vocab_parallel_stats(
             f"columns (padded vocabulary {vocab_local * tp_size}); pass the true vocabulary "
             "size and the tensor-parallel group the logits are split over"
         )
-    flat_target = target.reshape(-1).long()
+    flat_target = target.reshape(-1)
     if flat_target.numel() == 0:
         # Zeros that keep the graph connected, so an empty micro-batch still backpropagates.
         empty = logits.sum(-1).to(torch.promote_types(logits.dtype, torch.float32)) * 0.0
         return TokenStats(empty, empty.clone(), empty.clone())
-    # Checked before any communication; the targets are identical on every TP rank.
-    largest = int(flat_target.max())
-    if largest >= vocab_size:
-        raise ValueError(
-            f"target contains token id {largest} >= vocab_size={vocab_size}; targets must "
-            "be true-vocabulary ids (use a negative id to ignore a position)"
-        )
+    passes.check_targets(flat_target, vocab_size)  # the same on every rank: before any collective
     vocab_start = tp_rank * vocab_local
     valid_local = max(0, min(vocab_local, vocab_size - vocab_start))
     flat_logits = logits.reshape(-1, vocab_local)
@@ -328,16 +213,24 @@ def vocab_parallel_stats(
         vocab_stats_triton.check_device(logits)
         if flat_logits.stride(-1) != 1:
             flat_logits = flat_logits.contiguous()
+        if flat_target.dtype not in (torch.int32, torch.int64):
+            flat_target = flat_target.long()
+    else:
+        flat_target = flat_target.long()
+    # An expanded (stride-0) or otherwise self-overlapping input cannot take its gradient in
+    # place: the gradient then goes to a new buffer (correct, one logits-sized allocation).
+    inplace = inplace_backward and passes.can_overwrite(flat_logits)
     logprob, entropy, sum_p2 = _VocabParallelStats.apply(
         flat_logits,
         flat_target,
         vocab_start,
         valid_local,
+        vocab_size,
         _chunk_tokens(chunk_size, vocab_local, logits.device),
         tp_group,
         tp_size > 1,
         resolved,
-        inplace_backward,
+        inplace,
     )
     shape = target.shape
     return TokenStats(logprob.view(shape), entropy.view(shape), sum_p2.view(shape))

@@ -16,6 +16,11 @@ from typing import Literal
 
 import torch
 
+SHIFT_MIN = -1000.0
+"""Floor of ``z - m`` and ``log p`` in the eager math: ``exp(-1000)`` is exactly 0 in fp32 and
+fp64, so the floor changes no exponential, but a ``-inf`` logit (a masked vocabulary entry)
+then adds ``0 * -1000 = 0`` to ``T`` and to the entropy gradient instead of ``0 * -inf = NaN``."""
+
 Implementation = Literal["auto", "eager", "compiled", "triton"]
 IMPLEMENTATIONS = ("auto", "eager", "compiled", "triton")
 
@@ -65,8 +70,9 @@ def forward_partials(
         ``Q = sum e^2`` and ``z_t - m`` (0 off-shard), with ``e = exp(z - m)``.
     """
     shifted = logits.to(logits_max.dtype) - logits_max.unsqueeze(-1)
+    picked = shifted.gather(-1, safe_target.unsqueeze(-1)).squeeze(-1)  # -inf stays -inf
+    shifted = shifted.clamp(min=SHIFT_MIN)
     exp = shifted.exp()
-    picked = shifted.gather(-1, safe_target.unsqueeze(-1)).squeeze(-1)
     return torch.stack(
         [
             exp.sum(-1),
@@ -102,7 +108,7 @@ def backward_grad(
     a = gradient_coefficient(lse, entropy, sum_p2, g_logprob, g_entropy, g_sum_p2)
     # In-place updates of fresh temporaries keep eager mode at two fp32 chunk buffers;
     # torch.compile turns the same code into one fused pass.
-    logp = logits.to(lse.dtype) - lse.unsqueeze(-1)
+    logp = (logits.to(lse.dtype) - lse.unsqueeze(-1)).clamp_(min=SHIFT_MIN)
     if g_entropy is None:
         p = logp.exp_()
         if g_sum_p2 is None:
@@ -119,27 +125,6 @@ def backward_grad(
         onehot = torch.where(in_shard, g_logprob, torch.zeros_like(g_logprob))
         grad.scatter_add_(-1, safe_target.unsqueeze(-1), onehot.unsqueeze(-1))
     return grad.to(logits.dtype)
-
-
-def combine_partials(
-    local_max: torch.Tensor,
-    local: torch.Tensor,
-    global_max: torch.Tensor,
-    in_shard: torch.Tensor,
-) -> torch.Tensor:
-    """Rescale one shard's ``[N, 4]`` partials from its own max to the global one.
-
-    ``S, T, Q`` relative to ``m_l`` become relative to ``m >= m_l`` (``r = exp(m_l - m)``):
-    ``S r``, ``r (T + (m_l - m) S)``, ``Q r^2``; the raw target logit becomes ``z_t - m``
-    where ``in_shard`` and 0 elsewhere. Rows of an empty shard (``m_l = -inf``, sums 0)
-    give 0. All ``[N]`` / ``[N, 4]`` fp32.
-    """
-    s, t, q, z_t = local.unbind(-1)
-    has = s > 0
-    shift = torch.where(has, local_max - global_max, torch.zeros_like(s))
-    r = torch.where(has, torch.exp(shift), torch.zeros_like(s))
-    target = torch.where(in_shard, z_t - global_max, torch.zeros_like(z_t))
-    return torch.stack([s * r, r * (t + shift * s), q * r * r, target], dim=-1)
 
 
 def gradient_coefficient(

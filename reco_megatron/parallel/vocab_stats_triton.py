@@ -1,44 +1,16 @@
-"""Triton kernels of :mod:`reco_megatron.parallel.vocab_stats`: one read of the logits per pass.
+"""Host side of the Triton statistics kernels: launchers, block sizes, the jit wrapping.
 
-Tiling. One program per token row walks the row's ``V_valid`` local columns in tiles of
-``FORWARD_BLOCK`` (the last tile masked), keeping an *online* max ``m`` and the partial sums
-relative to it. With ``e_v = exp(z_v - m)``:
-
-    S = sum e_v,   T = sum e_v (z_v - m),   Q = sum e_v^2
-
-When a tile raises the max from ``m`` to ``m'`` (``a = exp(m - m')``) the sums so far are
-rescaled before the tile's own terms are added:
-
-    S' = a S,   T' = a (T + (m - m') S),   Q' = a^2 Q
-
-(the ``T`` line: ``e' (z - m') = a e (z - m + m - m')``). The target logit ``z_t`` (a single
-load, masked off when the target is not in this shard) is read raw. The kernel writes
-``[m_local, S, T, Q, z_t]`` per row. Across tensor-parallel ranks the same rescaling combines
-the shards (``vocab_stats_kernels.combine_partials``): one MAX all-reduce of ``m_local``
-gives the global ``m``, each rank rescales its sums to it, and one SUM all-reduce of
-``[N, 4]`` adds them.
-
-The backward launches a 2-D grid (row, tile of ``BACKWARD_BLOCK`` columns) and writes, per
-logit, with ``log p = z - lse`` and per-row scalars precomputed from the forward:
-
-    dz = p (a - gH log p + 2 gQ p) + gL [v = t],   a = -gL - gH H - 2 gQ sum_p2
-
-dropping the terms of an upstream gradient that is ``None`` (a compile-time flag). Padded
-columns (at or above ``V_valid``) get a zero gradient in the same pass. The gradient may be
-written into the logits buffer itself (``inplace``): each program reads its tile before it
-writes the same tile, and no two programs share a tile.
-
-Bytes moved per logit, for ``b``-byte logits (bf16/fp16: b = 2, fp32: 4): forward reads ``b``;
-backward reads ``b`` and writes ``b``: ``3b`` in total (6 bytes for bf16), the minimum for an
-op that must see every logit twice around the all-reduces and write its gradient. Per row the
-forward writes 20 bytes and the backward reads ~24: negligible next to ``V/TP`` logits.
-Accumulation is fp32 whatever the input dtype (fp64 logits are the eager path's job).
+The kernels and their math (tiling, online rescaling, ``-inf`` handling, bytes per logit)
+are in :mod:`vocab_stats_triton_kernels`. ``forward`` reads a shard once and gives its
+statistics (no tensor parallelism: one launch) or its partials; ``combine`` and ``finish``
+turn all-reduced partials into statistics (tensor parallelism); ``gradient`` writes the
+shard's gradient (one launch), optionally over the logits.
 
 Triton is imported by this module (optional: without it the module still imports and
-:func:`check_device` says what is missing), which :mod:`vocab_stats` imports only when the
-``triton`` implementation runs. The ``@triton.jit`` wrapping happens at the first launch, so that
-``TRITON_INTERPRET=1`` set by then (e.g. in a freshly started test rank) runs the kernels on
-CPU tensors through Triton's interpreter. Only APIs present in Triton 3.6 are used.
+:func:`check_device` says what is missing), which :mod:`vocab_stats_passes` imports only when
+the ``triton`` implementation runs. The ``@triton.jit`` wrapping happens at the first launch,
+so that ``TRITON_INTERPRET=1`` set by then (e.g. in a freshly started test rank) runs the
+kernels on CPU tensors through Triton's interpreter. Only APIs present in Triton 3.6 are used.
 """
 
 from __future__ import annotations
@@ -48,119 +20,56 @@ from typing import Any
 
 import torch
 
+from reco_megatron.parallel import vocab_stats_triton_kernels as device_code
+from reco_megatron.parallel.vocab_stats_triton_kernels import (
+    HELPERS,
+    INTERPRETED_HELPERS,
+    KERNELS,
+)
+
 try:
     import triton
-    import triton.language as tl
 except ImportError:  # torch's CPU-only wheels do not pull Triton; check_device says so
     triton = None  # type: ignore[assignment]
-    tl = None  # type: ignore[assignment]
 
-FORWARD_BLOCK = 4096
-"""Columns per forward tile (a power of two)."""
-BACKWARD_BLOCK = 4096
-"""Columns per backward program (a power of two)."""
+FORWARD_ROWS = 256
+"""Sub-rows per forward tile: one per thread at ``NUM_WARPS = 8`` (tile = 2048 bf16 logits)."""
+BACKWARD_BLOCK = 2048
+"""Columns per backward tile: one 16-byte load per thread for bf16 at ``NUM_WARPS = 8``."""
+VECTOR_BYTES = 16
+"""Bytes per thread and load: a forward sub-row is ``VECTOR_BYTES / element size`` columns."""
 NUM_WARPS = 8
 """Warps per program on GPU."""
+COMBINE_BLOCK = 1024
+"""Rows per program of the [N]-sized combine / finish kernels."""
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
+LAUNCHES = {"count": 0}
+"""Triton kernel launches so far (``benchmarks/kernel_sass.py`` counts them)."""
 
-def _stats_forward(
-    logits_ptr,
-    row_stride,
-    target_ptr,
-    out_ptr,
-    n_valid,
-    BLOCK: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    base = logits_ptr + row * row_stride
-    m = -float("inf")
-    s = 0.0
-    t = 0.0
-    q = 0.0
-    for start in range(0, n_valid, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        mask = cols < n_valid
-        z = tl.load(base + cols, mask=mask, other=-float("inf")).to(tl.float32)
-        m_new = tl.maximum(m, tl.max(z, axis=0))
-        alpha = tl.exp(m - m_new)  # 0 on the first tile (m = -inf)
-        shift = tl.where(s > 0.0, m - m_new, 0.0)  # -inf * 0 avoided on the first tile
-        d = tl.where(mask, z - m_new, 0.0)
-        e = tl.where(mask, tl.exp(d), 0.0)
-        t = alpha * (t + shift * s) + tl.sum(e * d, axis=0)
-        s = alpha * s + tl.sum(e, axis=0)
-        q = alpha * alpha * q + tl.sum(e * e, axis=0)
-        m = m_new
-    tgt = tl.load(target_ptr + row)  # local column, -1 when not in this shard or ignored
-    z_t = tl.load(base + tl.maximum(tgt, 0), mask=tgt >= 0, other=0.0).to(tl.float32)
-    out = out_ptr + row * 5
-    tl.store(out, m)
-    tl.store(out + 1, s)
-    tl.store(out + 2, t)
-    tl.store(out + 3, q)
-    tl.store(out + 4, z_t)
-
-
-def _stats_backward(
-    logits_ptr,
-    row_stride,
-    grad_ptr,
-    grad_row_stride,
-    target_ptr,
-    lse_ptr,
-    a_ptr,
-    g_logprob_ptr,
-    g_entropy_ptr,
-    g_sum_p2_ptr,
-    n_valid,
-    n_cols,
-    BLOCK: tl.constexpr,
-    HAS_LOGPROB: tl.constexpr,
-    HAS_ENTROPY: tl.constexpr,
-    HAS_SUM_P2: tl.constexpr,
-    INPLACE: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    in_row = cols < n_cols
-    valid = cols < n_valid
-    z = tl.load(logits_ptr + row * row_stride + cols, mask=valid, other=0.0).to(tl.float32)
-    logp = z - tl.load(lse_ptr + row)
-    p = tl.exp(logp)
-    coef = tl.zeros([BLOCK], dtype=tl.float32) + tl.load(a_ptr + row)
-    if HAS_ENTROPY:
-        coef = coef - tl.load(g_entropy_ptr + row) * logp
-    if HAS_SUM_P2:
-        coef = coef + 2.0 * tl.load(g_sum_p2_ptr + row) * p
-    grad = p * coef
-    if HAS_LOGPROB:
-        tgt = tl.load(target_ptr + row)
-        grad = grad + tl.where(cols == tgt, tl.load(g_logprob_ptr + row), 0.0)
-    grad = tl.where(valid, grad, 0.0)
-    if INPLACE:
-        dst = logits_ptr + row * row_stride + cols
-    else:
-        dst = grad_ptr + row * grad_row_stride + cols
-    tl.store(dst, grad.to(dst.dtype.element_ty), mask=in_row)
-
-
-_JITTED: dict[bool, dict[str, Any]] = {}
+_JITTED: dict[str, Any] = {}
 
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
-def _kernel(name: str) -> Any:
-    """The jitted kernel (interpreted when ``TRITON_INTERPRET`` is set at first use)."""
+def jit_all() -> dict[str, Any]:
+    """The jitted kernels (interpreted when ``TRITON_INTERPRET`` is set at first use)."""
     mode = _interpreting()
-    if mode not in _JITTED:
-        _JITTED[mode] = {
-            "forward": triton.jit(_stats_forward),
-            "backward": triton.jit(_stats_backward),
-        }
-    return _JITTED[mode][name]
+    if _JITTED.get("mode") != mode:
+        # The kernels find their helpers in the kernels module's globals when they are
+        # compiled: jitted device functions there. The interpreter runs them as plain Python
+        # inside the (already patched) kernel instead: a jitted device function would re-patch
+        # triton.language at every call, which dominates the interpreted run time.
+        if mode:
+            helpers = INTERPRETED_HELPERS
+        else:
+            helpers = {name: triton.jit(fn) for name, fn in HELPERS.items()}
+        vars(device_code).update(helpers)
+        _JITTED.update(mode=mode, kernels={n: triton.jit(fn) for n, fn in KERNELS.items()})
+    return _JITTED["kernels"]
 
 
 def check_device(logits: torch.Tensor) -> None:
@@ -182,84 +91,143 @@ def check_device(logits: torch.Tensor) -> None:
         )
 
 
-def _grid_launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
+def _launch(name: str, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
+    LAUNCHES["count"] += 1
+    kernel = jit_all()[name][grid]
     if not _interpreting():
-        kwargs["num_warps"] = NUM_WARPS
-    kernel[grid](*args, **kwargs)
+        kernel(*args, **kwargs, num_warps=NUM_WARPS)
+        return
+    # Triton's interpreter emulates the kernel with torch/numpy copies: keep them out of a
+    # dispatch mode that counts what the op launches (a GPU launch dispatches no torch op).
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        kernel(*args, **kwargs)
 
 
-def local_partials(
-    logits: torch.Tensor, target_local: torch.Tensor, n_valid: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """This shard's max and partial sums relative to it, reading every valid logit once.
+def forward_sub_row(dtype: torch.dtype) -> int:
+    """Columns per forward sub-row: one 16-byte load (8 bf16/fp16, 4 fp32)."""
+    return VECTOR_BYTES // torch.empty((), dtype=dtype).element_size()
+
+
+def forward(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    vocab_start: int,
+    n_valid: int,
+    vocab_size: int,
+    finish: bool,
+) -> tuple[torch.Tensor, ...]:
+    """One read of the shard: its statistics (``finish``) or its partials.
 
     Args:
         logits: ``[N, V_local]``, last dimension contiguous (bf16, fp16 or fp32).
-        target_local: ``[N]`` int64 local column of the target, -1 where it is not here.
-        n_valid: the first ``n_valid`` columns are real vocabulary (the rest is padding).
+        target: ``[N]`` global token ids (int32 or int64; ``< 0`` ignored).
+        vocab_start: global id of local column 0; ``n_valid``: local columns that are real
+            vocabulary (the rest is padding); ``vocab_size``: the true vocabulary size.
+        finish: the shard is the whole vocabulary (no tensor parallelism).
 
     Returns:
-        ``m_local [N]`` fp32 (``-inf`` when ``n_valid == 0``) and ``[N, 4]`` fp32
-        ``S, T, Q`` relative to ``m_local`` and the raw target logit (0 off-shard).
+        ``finish``: ``logprob, entropy, sum_p2, lse``, each ``[N]`` fp32. Else
+        ``m_local [N]``, ``m [N]`` (a copy of ``m_local`` to all-reduce with MAX) and
+        ``[4, N]`` fp32 ``S, T, Q`` relative to ``m_local`` and the raw target logit (0 off
+        the shard, NaN for an id ``>= vocab_size``).
     """
-    n_tokens = logits.shape[0]
-    out = torch.zeros(n_tokens, 5, dtype=torch.float32, device=logits.device)
-    if n_valid == 0:
-        out[:, 0] = float("-inf")
-        return out[:, 0], out[:, 1:]
-    block = min(FORWARD_BLOCK, triton.next_power_of_2(n_valid))
-    _grid_launch(
-        _kernel("forward"),
-        (n_tokens,),
-        logits,
-        logits.stride(0),
-        target_local,
-        out,
-        n_valid,
-        BLOCK=block,
-    )
-    return out[:, 0], out[:, 1:]
+    n_rows = logits.shape[0]
+    new = [torch.empty(n_rows, dtype=torch.float32, device=logits.device) for _ in range(4)]
+    part = torch.empty(4, n_rows, dtype=torch.float32, device=logits.device)
+    outs = (*new, part) if finish else (new[0], new[1], part, new[2], new[3])
+    if n_rows:
+        _launch(
+            "forward",
+            (n_rows,),
+            logits,
+            logits.stride(0),
+            target,
+            vocab_start,
+            n_valid,
+            vocab_size,
+            *outs,
+            n_rows,
+            ROWS=FORWARD_ROWS,
+            SUB=forward_sub_row(logits.dtype),
+            FINISH=finish,
+        )
+    return tuple(new) if finish else (new[0], new[1], part)
+
+
+def combine(
+    local_max: torch.Tensor,
+    global_max: torch.Tensor,
+    part: torch.Tensor,
+    target: torch.Tensor,
+    vocab_start: int,
+    n_valid: int,
+) -> None:
+    """Rescale ``part [4, N]`` in place from ``local_max`` to ``global_max`` (all ``[N]``);
+    the target logit becomes ``z_t - m`` on the shard that owns it."""
+    n_rows = part.shape[1]
+    grid = (triton.cdiv(n_rows, COMBINE_BLOCK),)
+    args = (local_max, global_max, part, target, vocab_start, n_valid, n_rows)
+    if n_rows:
+        _launch("combine", grid, *args, BLOCK=COMBINE_BLOCK)
+
+
+def finish(
+    part: torch.Tensor, global_max: torch.Tensor, target: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """``logprob, entropy, sum_p2, lse`` (each ``[N]`` fp32) from the summed ``[4, N]``."""
+    n_rows = part.shape[1]
+    new = [torch.empty(n_rows, dtype=torch.float32, device=part.device) for _ in range(4)]
+    if n_rows:
+        grid = (triton.cdiv(n_rows, COMBINE_BLOCK),)
+        _launch("finish", grid, part, global_max, target, *new, n_rows, BLOCK=COMBINE_BLOCK)
+    return tuple(new)
 
 
 def gradient(
     logits: torch.Tensor,
-    target_local: torch.Tensor,
+    target: torch.Tensor,
+    vocab_start: int,
+    n_valid: int,
     lse: torch.Tensor,
-    coef_a: torch.Tensor,
+    entropy: torch.Tensor,
+    sum_p2: torch.Tensor,
     g_logprob: torch.Tensor | None,
     g_entropy: torch.Tensor | None,
     g_sum_p2: torch.Tensor | None,
-    n_valid: int,
     inplace: bool,
 ) -> torch.Tensor:
     """``d(loss)/d logits`` of one shard, in the logits' dtype, padded columns 0.
 
-    ``logits [N, V_local]`` (last dimension contiguous), every other tensor ``[N]`` fp32
-    (``target_local`` int64, -1 off-shard). ``coef_a = -gL - gH H - 2 gQ sum_p2`` with absent
-    terms left out. With ``inplace`` the result is written into ``logits`` and returned.
+    ``logits [N, V_local]`` (last dimension contiguous; with ``inplace`` the result
+    overwrites it, so its rows must not overlap), ``target [N]`` global ids, every other
+    tensor ``[N]`` fp32 and contiguous. The per-row coefficient is computed in the kernel.
     """
-    n_tokens, n_cols = logits.shape
+    n_rows, n_cols = logits.shape
     grad = logits if inplace else torch.empty_like(logits)
-    if n_tokens == 0 or n_cols == 0:
+    if n_rows == 0 or n_cols == 0:
         return grad
-    block = min(BACKWARD_BLOCK, triton.next_power_of_2(n_cols))
-    dummy = lse  # a pointer argument for absent upstream gradients (never read)
-    _grid_launch(
-        _kernel("backward"),
-        (n_tokens, triton.cdiv(n_cols, block)),
+    given = [g for g in (g_logprob, g_entropy, g_sum_p2) if g is not None]
+    dummy = given[0] if given else lse  # a pointer for absent upstream gradients (never read)
+    _launch(
+        "backward",
+        (n_rows,),
         logits,
         logits.stride(0),
         grad,
         grad.stride(0),
-        target_local,
+        target,
         lse,
-        coef_a,
+        entropy,
+        sum_p2,
         dummy if g_logprob is None else g_logprob,
         dummy if g_entropy is None else g_entropy,
         dummy if g_sum_p2 is None else g_sum_p2,
+        vocab_start,
         n_valid,
         n_cols,
-        BLOCK=block,
+        BLOCK=BACKWARD_BLOCK,
         HAS_LOGPROB=g_logprob is not None,
         HAS_ENTROPY=g_entropy is not None,
         HAS_SUM_P2=g_sum_p2 is not None,

@@ -20,12 +20,16 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from tests.parallel._hostile import hostile_body
 from tests.parallel._vocab_cases import CASES, Case, global_inputs
 
-TEST_BLOCKS = (64, 128)
-"""Forward and backward tile widths in these checks: several tiles and a masked last one per
-shard (the interpreter runs each tile in Python: ~5 ms per forward tile on 2 shared cores)."""
+TEST_BLOCKS = (32, 64)
+"""Forward sub-rows per tile (32 x 4 fp32 or 32 x 8 bf16 columns, two tiles per iteration) and
+backward tile width in these checks: several unmasked iterations, a masked last one and
+padding per shard (the interpreter runs each tile in Python)."""
 ALL = (True, True, True)
+HOSTILE_TPS = (1, 2, 4)
+"""-inf logits and an expanded input (``_hostile.py``) at these TP sizes."""
 
 
 @dataclass(frozen=True)
@@ -66,7 +70,7 @@ def body(rank: int, world_size: int, spec: Spec, device: str, blocks: tuple[int,
     from reco_megatron.parallel import vocab_parallel_stats, vocab_stats_triton
 
     if blocks is not None:
-        vocab_stats_triton.FORWARD_BLOCK, vocab_stats_triton.BACKWARD_BLOCK = blocks
+        vocab_stats_triton.FORWARD_ROWS, vocab_stats_triton.BACKWARD_BLOCK = blocks
     logits, target, grads = global_inputs(spec.case, world_size)
     v_local = logits.shape[1] // world_size
     shard = logits[:, rank * v_local : (rank + 1) * v_local].to(spec.dtype).to(device)
@@ -99,11 +103,13 @@ LINEAR_SPECS = [(2, False, torch.float32), (2, True, torch.float32), (1, False, 
 
 
 def linear_body(rank: int, world_size: int, sequence_parallel: bool, dtype: torch.dtype):
-    """The fused layer with the Triton kernels and with the eager math, same inputs."""
+    """The fused layers (statistics, 4 matmuls; loss inside, 3 matmuls) with the Triton
+    kernels and with the eager math, same inputs."""
     from reco_megatron.parallel import vocab_stats_triton
+    from reco_megatron.parallel.linear_loss import vocab_parallel_linear_loss
     from reco_megatron.parallel.linear_stats import vocab_parallel_linear_stats
 
-    vocab_stats_triton.FORWARD_BLOCK, vocab_stats_triton.BACKWARD_BLOCK = TEST_BLOCKS
+    vocab_stats_triton.FORWARD_ROWS, vocab_stats_triton.BACKWARD_BLOCK = TEST_BLOCKS
     gen = torch.Generator().manual_seed(5)
     seq, batch, hidden_size, vocab = 6, 2, 8, 250
     v_pad = 256
@@ -126,7 +132,36 @@ def linear_body(rank: int, world_size: int, sequence_parallel: bool, dtype: torc
         )
         sum((s * g).sum() for s, g in zip(stats, upstream, strict=True)).backward()
         out[impl] = ([s.detach().double() for s in stats], h.grad.double(), w.grad.double())
+        h = h_local.clone().requires_grad_()
+        w = w_shard.clone().requires_grad_()
+        loss, stats = vocab_parallel_linear_loss(
+            h,
+            w,
+            target,
+            lambda st: sum((s * g.view(-1)).sum() for s, g in zip(st, upstream, strict=True)),
+            vocab,
+            group,
+            sequence_parallel,
+            block_tokens=5,
+            implementation=impl,
+        )
+        loss.backward()
+        out[f"loss-{impl}"] = ([s.double() for s in stats], h.grad.double(), w.grad.double())
     return out
+
+
+def triton_hostile_body(rank: int, world_size: int):
+    from reco_megatron.parallel import vocab_stats_triton
+
+    vocab_stats_triton.FORWARD_ROWS, vocab_stats_triton.BACKWARD_BLOCK = TEST_BLOCKS
+    return hostile_body(rank, world_size, "triton")
+
+
+def launches_body(rank: int, world_size: int):
+    """Launches, collectives and host synchronisations of one forward + backward."""
+    from reco_megatron.testing.launches import count_stats_op
+
+    return count_stats_op(rank, world_size, "triton")
 
 
 def main(path: str) -> None:
@@ -139,14 +174,24 @@ def main(path: str) -> None:
     for spec in SPECS:
         try:
             out[spec.name] = run_distributed(
-                body, spec.tp, args=(spec, "cpu", TEST_BLOCKS), timeout=120
+                body, spec.tp, args=(spec, "cpu", TEST_BLOCKS), timeout=300
             )
         except Exception:
             out[spec.name] = traceback.format_exc()
+    for tp in HOSTILE_TPS:
+        try:
+            out[f"hostile-tp{tp}"] = run_distributed(triton_hostile_body, tp, timeout=300)
+        except Exception:
+            out[f"hostile-tp{tp}"] = traceback.format_exc()
+    for tp in (1, 2):
+        try:
+            out[f"launches-tp{tp}"] = run_distributed(launches_body, tp, timeout=300)[0]
+        except Exception:
+            out[f"launches-tp{tp}"] = traceback.format_exc()
     for tp, sp, dtype in LINEAR_SPECS:
         name = f"linear-tp{tp}-{'sp' if sp else 'nosp'}-{str(dtype).removeprefix('torch.')}"
         try:
-            out[name] = run_distributed(linear_body, tp, args=(sp, dtype), timeout=120)
+            out[name] = run_distributed(linear_body, tp, args=(sp, dtype), timeout=300)
         except Exception:
             out[name] = traceback.format_exc()
     with open(path, "wb") as f:

@@ -24,6 +24,7 @@ from reco_megatron.algo.token_stats import token_stats_reference
 from reco_megatron.parallel import vocab_parallel_stats
 from reco_megatron.parallel.vocab_stats_kernels import triton_available
 from reco_megatron.testing import run_distributed
+from tests.parallel._hostile import check_hostile, hostile_body
 from tests.parallel._vocab_cases import CASES, Case, global_inputs, reference
 
 FP32_ATOL = 2e-5
@@ -107,6 +108,16 @@ def test_chunking_does_not_change_results(chunk_size) -> None:
 )
 def test_inplace_gradient(case: Case, use) -> None:
     _check(case, 2, torch.float32, use=use, chunk_size=5, inplace=True)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_hostile_inputs_match_fp64_reference(tp: int) -> None:
+    # -inf logits: scattered, a whole shard (TP 2/4), a first tile, a target's own logit
+    # (log p = -inf, finite gradient); an expand()-ed input with inplace_backward (the
+    # gradient cannot overwrite shared memory: it goes to a new buffer). The summed row
+    # gradient adds 24 token gradients: 10x the fp32 tolerance.
+    check_hostile(run_distributed(hostile_body, tp, args=("eager",), timeout=60), tp)
 
 
 def _megatron_body(rank: int, world_size: int, case: Case):
