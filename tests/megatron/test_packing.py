@@ -44,8 +44,9 @@ class ReferenceModel(torch.nn.Module):
     packed_seq_params=None)`` like megatron's ``GPTModel``: segments from
     ``packed_seq_params.cu_seqlens_q`` when given, else one segment per row."""
 
-    def __init__(self) -> None:
+    def __init__(self, fused: bool = False) -> None:
         super().__init__()
+        self.fused = fused  # return the hidden states (update.fused_output_layer)
         gen = torch.Generator().manual_seed(0)
         self.emb = torch.nn.Parameter(torch.randn(VOCAB, HIDDEN, generator=gen) * 0.5)
         self.pos = torch.nn.Parameter(torch.randn(64, HIDDEN, generator=gen) * 0.5)
@@ -65,7 +66,8 @@ class ReferenceModel(torch.nn.Module):
         allowed = causal & (segment[:, :, None] == segment[:, None, :])
         scores = (q @ k.transpose(1, 2)) / math.sqrt(HIDDEN)
         attn = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
-        return (attn @ v + x) @ self.out.t()  # [b, s, V]
+        hidden = attn @ v + x  # [b, s, H]
+        return hidden if self.fused else hidden @ self.out.t()  # [b, s, V]
 
 
 def _batch() -> RolloutBatch:
@@ -124,18 +126,15 @@ def test_layout_boundaries_positions_and_label_alignment() -> None:
 
 def _run(model, mb, needed, loss_func, packed: bool):
     ctx = _ctx()
+    if model.fused:
+        ctx = replace(ctx, fused_output_layer=True, output_weight=model.out)
     if not packed:
         logits = model(mb.input_ids, _positions(mb), None)
         return loss_func(mb, ctx, logits)
     layout = pack_layout(needed, multiple=4, row_multiple=8)
     params = _Params(layout.cu_seqlens())
     logits = model(layout.pack(mb.input_ids), layout.position_ids(), None, packed_seq_params=params)
-    packed_ctx = LossContext(
-        loss=ctx.loss,
-        vocab_size=VOCAB,
-        tp_group=None,
-        packed=PackedLabels(layout.pack(mb.labels), layout),
-    )
+    packed_ctx = replace(ctx, packed=PackedLabels(layout.pack(mb.labels), layout))
     return loss_func(mb, packed_ctx, logits)
 
 
@@ -163,7 +162,8 @@ def test_packed_statistics_equal_the_padded_ones() -> None:
         assert (packed[key][~live] == 0).all()  # past a sequence's end: nothing computed
 
 
-def test_packed_loss_metrics_and_gradients_equal_the_padded_ones() -> None:
+@pytest.mark.parametrize("fused", [False, True], ids=["logits", "fused_output_layer"])
+def test_packed_loss_metrics_and_gradients_equal_the_padded_ones(fused: bool) -> None:
     mb, needed = _micro_batch()
     with torch.no_grad():  # an old policy close to the model: ratios near 1, inside the clip
         *_, stats = _run(ReferenceModel(), mb, needed, statistics_func, packed=False)
@@ -171,7 +171,7 @@ def test_packed_loss_metrics_and_gradients_equal_the_padded_ones() -> None:
     mb = replace(mb, old_logprobs=stats["logprob"] + noise, old_sum_p2=stats["sum_p2"])
     results = []
     for packed in (False, True):
-        model = ReferenceModel()
+        model = ReferenceModel(fused=fused)
         numerator, count, metrics = _run(model, mb, needed, policy_loss_func, packed)
         numerator.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
