@@ -179,7 +179,11 @@ def _write_hf(
 ) -> Path:
     import torch.distributed as dist
 
-    from reco_megatron.megatron.checkpoint import CheckpointError
+    from reco_megatron.megatron.checkpoint import (
+        CheckpointError,
+        UnsafeCheckpointError,
+        verify_checkpoint,
+    )
     from reco_megatron.megatron.checkpoint.megatron_state import load_model_and_optimizer
     from reco_megatron.megatron.distributed import ParallelConfig, initialize_parallel
     from reco_megatron.megatron.hf.checkpoint import DEFAULT_MAX_SHARD_SIZE, save_hf_checkpoint
@@ -202,8 +206,11 @@ def _write_hf(
     initialize_parallel(parallel, seed=0)
     config = transformer_config(model_cfg, parallel, on_gpu=False)
     model = build_model(model_cfg, config, pre_process=True, post_process=True, on_gpu=False)
+    verify_checkpoint(path)  # manifest and .metadata, before any byte is deserialised
     try:
         load_model_and_optimizer(str(path / "dist"), [model], None)
+    except UnsafeCheckpointError:
+        raise
     except Exception as exc:
         raise CheckpointError(
             f"could not read the model weights of {path} ({type(exc).__name__}: {exc})"
