@@ -128,10 +128,11 @@ def _fall_back(root: Path, path: Path, exc: DamagedCheckpointError, on_damaged: 
     return previous
 
 
-def remove_partial_checkpoints(root: str | Path) -> list[str]:
+def remove_partial_checkpoints(root: str | Path, *, quiet: bool = False) -> list[str]:
     """Remove the ``.tmp-step_*`` directories (and ``latest.tmp``) that a save interrupted by
     a crash, SIGKILL or full disk left under ``root``; returns their names. Call it at start,
-    before any rank saves (every rank may call it: removal ignores races)."""
+    before any rank saves (every rank may call it: removal ignores races). ``quiet``: the
+    caller reports the names itself."""
     root = Path(root)
     stale = sorted(root.glob(f".tmp-{PREFIX}*")) + sorted(root.glob(f".tmp-{SFT_PREFIX}*"))
     stale += sorted(root.glob(f"{PRUNED_PREFIX}*")) + sorted(root.glob("latest.tmp"))
@@ -140,7 +141,7 @@ def remove_partial_checkpoints(root: str | Path) -> list[str]:
             shutil.rmtree(path, ignore_errors=True)
         else:
             path.unlink(missing_ok=True)
-    if stale:
+    if stale and not quiet:
         logger.warning(
             "removed %d partial checkpoint(s) left by an interrupted save: %s",
             len(stale),

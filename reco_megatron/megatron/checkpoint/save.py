@@ -40,6 +40,7 @@ from reco_megatron.megatron.checkpoint.collective import (
 from reco_megatron.megatron.checkpoint.format import (
     FORMAT_VERSION,
     PRUNED_PREFIX,
+    SFT_PREFIX,
     CheckpointError,
     CheckpointSpaceError,
     checkpoint_name,
@@ -227,13 +228,15 @@ def _finish_save(
 
 def _prune(root: Path, keep_last: int) -> None:
     """Remove the complete checkpoints beyond the newest ``keep_last``, never
-    ``step_00000000`` (the end of the SFT warm-up: the base a run is compared with). Each is
+    ``step_00000000`` (the end of the SFT warm-up: the base a run is compared with), and the
+    ``sft_*`` checkpoints once ``step_00000000`` exists (the warm-up is done). Each is
     renamed to ``.pruned-*`` first (atomic), so an interruption never leaves a half-removed
     checkpoint under its own name; ``resume.remove_partial_checkpoints`` clears leftovers."""
-    if keep_last <= 0:
-        return
     done = [p for p in complete_checkpoints(root) if p.name != checkpoint_name(0)]
-    for old in done[:-keep_last]:
+    base_saved = (root / checkpoint_name(0) / "meta.json").exists()
+    doomed_sft = [p for p in done if base_saved and p.name.startswith(SFT_PREFIX)]
+    kept = done[-keep_last:] if keep_last > 0 else done
+    for old in [p for p in done if p not in kept or p in doomed_sft]:
         doomed = root / f"{PRUNED_PREFIX}{old.name}"
         try:
             os.replace(old, doomed)
