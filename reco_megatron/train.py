@@ -17,9 +17,11 @@ Run it::
 Arguments: a YAML config, then ``section.key=value`` overrides (``--help-config`` lists every
 key with its type, default and meaning). The console script ``reco-train`` is the same.
 
-Exit status: 0 done; 2 invalid configuration; 3 stopped by a stability guard or because more
-than ``reward.max_failed_frac`` of a step's rewards failed; 75 stopped by
-SIGTERM/SIGUSR1 after saving a checkpoint (run the same command again to resume).
+Exit status: 0 done; 2 invalid configuration, unusable checkpoint, or the output directory is
+in use by another trainer; 3 stopped by a stability guard or because more than
+``reward.max_failed_frac`` of a step's rewards failed; 75 stopped by SIGTERM, SIGUSR1 or
+Ctrl-C after saving a checkpoint, or by a second Ctrl-C at once (run the same command again
+to resume; docs/stability.md).
 """
 
 from __future__ import annotations
@@ -75,22 +77,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         _report("invalid configuration", exc)
         return EXIT_BAD_CONFIG
     from reco_megatron.megatron.checkpoint import CheckpointError
+    from reco_megatron.rewards.registry import RewardSpecError
     from reco_megatron.trainer.guards import StabilityStop
     from reco_megatron.trainer.loop import Trainer
+    from reco_megatron.trainer.run_lock import RunLockError
+    from reco_megatron.trainer.stop_signals import RunAborted, StopSignals, report_abort
 
+    signals = StopSignals().install()  # every phase, until the process ends
     try:
-        trainer = Trainer(cfg)
-    except ConfigError as exc:  # the pre-flight checks: nothing was created or computed
+        trainer = Trainer(cfg, signals)
+    except (ConfigError, RewardSpecError) as exc:  # pre-flight, resume diff, reward self-check
         _report("invalid configuration", exc)
         return EXIT_BAD_CONFIG
     except CheckpointError as exc:  # the checkpoint to resume or start from cannot be used
         _report("unusable checkpoint", exc)
         return EXIT_BAD_CONFIG
+    except RunLockError as exc:
+        _report("output directory in use", exc)
+        return EXIT_BAD_CONFIG
+    except RunAborted:
+        return report_abort(cfg.trainer.output_dir, int(os.environ.get("RANK", "0")))
     try:
         status = trainer.run()
     except StabilityStop as exc:
         logger.error("%s", exc)
         return 3
+    except RunAborted:
+        return report_abort(cfg.trainer.output_dir, trainer.rank)
     if status == 0:
         logger.info("done: metrics, checkpoint and plot in %s", trainer.out)
     return status

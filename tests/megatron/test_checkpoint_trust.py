@@ -84,13 +84,16 @@ def _poison_metadata(step: Path, marker: Path) -> None:
     _refresh_manifest(step, "dist/.metadata")
 
 
-def _poison_byte_item(step: Path, marker: Path, fqn: str = "common_state") -> None:
-    """Point the byte item ``fqn`` at a torch.save of the payload appended to the shard."""
+def _poison_byte_item(step: Path, marker: Path) -> None:
+    """Point a non-tensor item (torch.load'ed by DCP) at a torch.save of the payload appended
+    to its shard."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     with open(step / "dist" / ".metadata", "rb") as f:
         metadata = pickle.load(f)
-    index = next(i for i in metadata.storage_data if i.fqn.startswith(fqn))
+    kinds = metadata.state_dict_metadata
+    index = next(i for i in metadata.storage_data if isinstance(kinds[i.fqn], BytesStorageMetadata))
     info = metadata.storage_data[index]
     buf = io.BytesIO()
     torch.save([_Payload(marker)], buf)
@@ -102,6 +105,14 @@ def _poison_byte_item(step: Path, marker: Path, fqn: str = "common_state") -> No
     with open(step / "dist" / ".metadata", "wb") as f:
         pickle.dump(metadata, f)
     _refresh_manifest(step, "dist/.metadata", f"dist/{info.relative_path}")
+
+
+def _poison_common(step: Path, marker: Path) -> None:
+    """megatron-core 0.16 keeps the common state in ``dist/common.pt`` (``torch.load``)."""
+    if not (step / "dist" / "common.pt").exists():
+        pytest.skip("this megatron-core keeps the common state inside DCP (the 'bytes' case)")
+    torch.save({"x": _Payload(marker)}, step / "dist" / "common.pt")
+    _refresh_manifest(step, "dist/common.pt")
 
 
 def _load(rank, world_size, path, verify):
@@ -150,12 +161,14 @@ def test_transformer_engine_extra_state_is_checked_before_te_unpickles_it(tmp_pa
 # ---------------------------------------------------------------- real loads
 @pytest.mark.dist
 @pytest.mark.parametrize(
-    ("where", "verify"), [("metadata", True), ("metadata", False), ("bytes", False)]
+    ("where", "verify"),
+    [("metadata", True), ("metadata", False), ("bytes", False), ("common", False)],
 )
 def test_poisoned_checkpoint_loads_nothing_and_runs_nothing(saved, tmp_path, where, verify) -> None:
     step = _copy(saved, tmp_path)
     marker = tmp_path / "pwned"
-    (_poison_metadata if where == "metadata" else _poison_byte_item)(step, marker)
+    poison = {"metadata": _poison_metadata, "bytes": _poison_byte_item, "common": _poison_common}
+    poison[where](step, marker)
     result = run_distributed(_load, 1, args=(str(step), verify), timeout=180)[0]
     assert result.startswith("unsafe: "), result
     assert "posix.mkdir" in result or "never code" in result, result

@@ -9,6 +9,7 @@ import pytest
 from reco_megatron.megatron.checkpoint import LatestPointerError, latest_checkpoint
 from reco_megatron.megatron.checkpoint.format import complete_checkpoints, read_latest
 from reco_megatron.megatron.checkpoint.resume import _start_point
+from reco_megatron.megatron.checkpoint.save import _prune
 
 DAMAGED = {
     "empty": b"",
@@ -61,3 +62,23 @@ def test_sft_checkpoints_come_before_step_zero(tmp_path) -> None:
     (tmp_path / "latest").write_text("sft_00000040\n")
     assert read_latest(tmp_path) == "sft_00000040"
     assert latest_checkpoint(tmp_path) == tmp_path / "sft_00000040"
+
+
+@pytest.mark.parametrize(
+    ("keep_last", "kept"),
+    [
+        (1, ["step_00000000", "step_00000002"]),
+        (2, ["step_00000000", "step_00000001", "step_00000002"]),
+        (0, ["step_00000000", "step_00000001", "step_00000002"]),
+    ],
+)
+def test_keep_last_never_prunes_step_zero_and_drops_finished_sft(tmp_path, keep_last, kept):
+    _fake_checkpoints(tmp_path, "sft_00000004", "step_00000000", "step_00000001", "step_00000002")
+    _prune(tmp_path, keep_last)
+    assert sorted(p.name for p in tmp_path.iterdir()) == kept
+
+
+def test_sft_checkpoints_stay_until_the_warm_up_ends(tmp_path) -> None:
+    _fake_checkpoints(tmp_path, "sft_00000004", "sft_00000008")
+    _prune(tmp_path, 1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sft_00000008"]
