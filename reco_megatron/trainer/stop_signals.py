@@ -131,8 +131,8 @@ def stop_here(trainer: Any) -> bool:
         trainer.save()
     signals.saved = True
     logger.warning(
-        "stopped by %s after step %d; %s, exit %d (resume by running the same command)",
-        signals.name or "a signal on another rank",
+        "stopped by signal %s after step %d; %s, exit %d (resume by running the same command)",
+        signals.name or "(on another rank)",
         trainer.step,
         "checkpoint saved" if saved else "nothing trained since the last checkpoint",
         EXIT_RESUMABLE,

@@ -134,7 +134,7 @@ def test_every_stop_resumes_exactly(tmp_path) -> None:
     run.signal(signal.SIGTERM)  # during step 2
     run.wait_for(run.saving, "a checkpoint being written")
     run.signal(signal.SIGTERM)
-    run.wait_for(lambda: "stopped by SIGTERM" in run.text(), "the stop checkpoint")
+    run.wait_for(lambda: "stopped by signal SIGTERM" in run.text(), "the stop checkpoint")
     run.signal(signal.SIGTERM)
     code, text = run.finish()
     assert code == 75 and text.count("received SIGTERM again") == 2
