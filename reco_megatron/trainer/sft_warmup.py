@@ -58,8 +58,8 @@ def run_warmup(trainer: Any, start: int) -> bool:
             trainer.save(sft_step=i + 1)
             trainer.signals.saved = True
             logger.warning(
-                "stopped by signal %s during the SFT warm-up after step %d/%d; checkpoint saved, exit "
-                "75 (resume by running the same command)",
+                "stopped by signal %s during the SFT warm-up after step %d/%d; checkpoint saved, "
+                "exit 75 (resume by running the same command)",
                 trainer.signals.name or "(on another rank)",
                 i + 1,
                 len(batches),
