@@ -132,9 +132,14 @@ def diff_configs(
 
 
 def check_resume(
-    cfg: Any, saved_state: dict[str, Any], inputs: dict[str, str], checkpoint: str
+    cfg: Any,
+    saved_state: dict[str, Any],
+    inputs: dict[str, str],
+    checkpoint: str,
+    current: dict[str, Any] | None = None,
 ) -> ConfigDiff:
-    """Diff ``cfg`` against the config saved in a checkpoint's trainer state; log the safe
+    """Diff ``cfg`` (or its plain form ``current``, taken before the trainer adjusted
+    anything) against the config saved in a checkpoint's trainer state; log the safe
     changes (one line each); raise :class:`ConfigError` listing the changes of what is
     trained, unless ``cfg.trainer.allow_config_change``. A checkpoint without a saved config
     (written before this check existed) is diffed against nothing: one line says so."""
@@ -146,7 +151,8 @@ def check_resume(
             checkpoint,
         )
         return ConfigDiff()
-    diff = diff_configs(saved, config_to_dict(cfg), saved_state.get("inputs") or {}, inputs)
+    current = current if current is not None else config_to_dict(cfg)
+    diff = diff_configs(saved, current, saved_state.get("inputs") or {}, inputs)
     for key, old, new in diff.safe:
         logger.info("resume: %s %s -> %s (applied from here on)", key, _show(old), _show(new))
     if diff.trained and not cfg.trainer.allow_config_change:
@@ -207,7 +213,7 @@ def input_hashes(cfg: Any, out: Path) -> dict[str, str]:
 
 def record_start(
     out: Path,
-    cfg: Any,
+    plain: dict[str, Any],
     *,
     step: int,
     checkpoint: str | None,
@@ -223,7 +229,7 @@ def record_start(
         "slurm_job_id": os.environ.get("SLURM_JOB_ID", ""),
         "changes": diff.changes() if diff is not None else {},
         "inputs": inputs,
-        "config": config_to_dict(cfg),
+        "config": plain,
     }
     with open(out / HISTORY, "a", encoding="utf-8") as f:
         f.write(json.dumps(record, sort_keys=True) + "\n")
@@ -269,7 +275,7 @@ class ResumeCheck:
         verdict: tuple[str, Any] | None = None
         if self.rank == 0 and name is not None and state is not None:
             try:
-                verdict = ("ok", check_resume(self.cfg, state, self.inputs, name))
+                verdict = ("ok", check_resume(self.cfg, state, self.inputs, name, self.plain))
             except ConfigError as exc:
                 verdict = ("refused", exc.problems)
         verdict = from_rank0(verdict)
@@ -291,5 +297,10 @@ class ResumeCheck:
         if "data.train_path" not in self.inputs:
             self.inputs = input_hashes(self.cfg, self.out)
         record_start(
-            self.out, self.cfg, step=step, checkpoint=checkpoint, inputs=self.inputs, diff=self.diff
+            self.out,
+            self.plain,
+            step=step,
+            checkpoint=checkpoint,
+            inputs=self.inputs,
+            diff=self.diff,
         )

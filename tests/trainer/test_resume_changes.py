@@ -90,3 +90,16 @@ def test_resume_refuses_what_changes_training_and_applies_the_schedule(tmp_path)
     assert history[1]["changes"] == {"optimizer.lr": [5e-4, 1e-3], "trainer.max_steps": [2, 3]}
     assert history[1]["config"]["optimizer"]["lr"] == 1e-3
     assert set(history[0]["inputs"]) == {"data.train_path", "data.tokenizer"}
+
+    # a damaged 'latest': one line; with on_damaged=fallback the newest checkpoint is used
+    # (and the config check runs against the checkpoint actually loaded)
+    (out / "checkpoints" / "latest").write_bytes(b"step_0000\xe90003\n")
+    damaged = _train(out, "trainer.max_steps=3", "optimizer.lr=1e-3")
+    assert damaged.returncode == 2 and "holds non-ASCII bytes" in damaged.stderr
+    assert "Traceback" not in damaged.stderr
+    fallback = _train(
+        out, "trainer.max_steps=3", "optimizer.lr=1e-3", "checkpoint.on_damaged=fallback"
+    )
+    assert fallback.returncode == 0, fallback.stderr[-3000:]
+    assert "resuming from the newest complete checkpoint, step_00000003" in fallback.stderr
+    assert (out / "checkpoints" / "latest").read_text() == "step_00000003\n"
