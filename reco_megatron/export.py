@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import re
-import socket
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -144,12 +143,6 @@ def prepare_tokenizer(spec: str | Path, workdir: Path, texts: list[str]) -> Path
     return out
 
 
-def _free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 def _tokenizer_for(spec: str | Path | None, run: dict[str, Any] | None, work: Path) -> Path | None:
     """The tokenizer directory to copy into the export (see module doc), or None."""
     from_run = spec is None and run is not None
@@ -179,7 +172,11 @@ def _write_hf(
 ) -> Path:
     import torch.distributed as dist
 
-    from reco_megatron.megatron.checkpoint import CheckpointError
+    from reco_megatron.megatron.checkpoint import (
+        CheckpointError,
+        UnsafeCheckpointError,
+        verify_checkpoint,
+    )
     from reco_megatron.megatron.checkpoint.megatron_state import load_model_and_optimizer
     from reco_megatron.megatron.distributed import ParallelConfig, initialize_parallel
     from reco_megatron.megatron.hf.checkpoint import DEFAULT_MAX_SHARD_SIZE, save_hf_checkpoint
@@ -196,14 +193,15 @@ def _write_hf(
     )
     if dist.is_initialized() and dist.get_world_size() != 1:
         raise RuntimeError("export_checkpoint runs in a single process (world size 1)")
-    if not dist.is_initialized() and "MASTER_PORT" not in os.environ:
-        os.environ["MASTER_PORT"] = _free_port()
     parallel = ParallelConfig()
     initialize_parallel(parallel, seed=0)
     config = transformer_config(model_cfg, parallel, on_gpu=False)
     model = build_model(model_cfg, config, pre_process=True, post_process=True, on_gpu=False)
+    verify_checkpoint(path)  # manifest and .metadata, before any byte is deserialised
     try:
         load_model_and_optimizer(str(path / "dist"), [model], None)
+    except UnsafeCheckpointError:
+        raise
     except Exception as exc:
         raise CheckpointError(
             f"could not read the model weights of {path} ({type(exc).__name__}: {exc})"

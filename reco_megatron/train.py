@@ -20,9 +20,11 @@ key with its type, default and meaning). The console script ``reco-train`` is th
 process (:mod:`reco_megatron.launcher`): a bad config is one message and exit 2, not
 torchrun's ``ChildFailedError``.
 
-Exit status: 0 done; 2 invalid configuration; 3 stopped by a stability guard or because more
-than ``reward.max_failed_frac`` of a step's rewards failed; 75 stopped by
-SIGTERM/SIGUSR1 after saving a checkpoint (run the same command again to resume).
+Exit status: 0 done; 2 invalid configuration, unusable checkpoint, or the output directory is
+in use by another trainer; 3 stopped by a stability guard or because more than
+``reward.max_failed_frac`` of a step's rewards failed; 75 stopped by SIGTERM, SIGUSR1 or
+Ctrl-C after saving a checkpoint, or by a second Ctrl-C at once (run the same command again
+to resume; docs/stability.md).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from reco_megatron.config import (
     USAGE,
@@ -43,6 +46,10 @@ from reco_megatron.config.cli import HELP_FLAGS
 from reco_megatron.launcher import check_then_launch, split_nproc
 from reco_megatron.utils.logging import get_logger
 from reco_megatron.utils.noise import quiet_known_warnings
+
+if TYPE_CHECKING:
+    from reco_megatron.trainer.config import TrainConfig
+    from reco_megatron.trainer.stop_signals import StopSignals
 
 logger = get_logger(__name__)
 
@@ -86,27 +93,48 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         _report("invalid configuration", exc)
         return EXIT_BAD_CONFIG
+    from reco_megatron.trainer.stop_signals import StopSignals
+
+    signals = StopSignals().install()  # every phase, until main returns
+    try:
+        return _train(cfg, signals)
+    finally:
+        signals.restore()  # main may be called in-process (tests, notebooks)
+
+
+def _train(cfg: TrainConfig, signals: StopSignals) -> int:
+    """Build the trainer and run it; the exit status (see the module doc)."""
     from reco_megatron.megatron.checkpoint import CheckpointError
+    from reco_megatron.rewards.registry import RewardSpecError
     from reco_megatron.trainer.guards import StabilityStop
     from reco_megatron.trainer.loop import Trainer
+    from reco_megatron.trainer.run_lock import RunLockError
+    from reco_megatron.trainer.stop_signals import RunAborted, report_abort
     from reco_megatron.trainer.summary import process_seconds, summary_lines
 
     try:
-        trainer = Trainer(cfg)
-    except ConfigError as exc:  # the pre-flight checks: nothing was created or computed
+        trainer = Trainer(cfg, signals)
+    except (ConfigError, RewardSpecError) as exc:  # pre-flight, resume diff, reward self-check
         _report("invalid configuration", exc)
         return EXIT_BAD_CONFIG
     except CheckpointError as exc:  # the checkpoint to resume or start from cannot be used
         _report("unusable checkpoint", exc)
         return EXIT_BAD_CONFIG
+    except RunLockError as exc:
+        _report("output directory in use", exc)
+        return EXIT_BAD_CONFIG
+    except RunAborted:
+        return report_abort(cfg.trainer.output_dir, int(os.environ.get("RANK", "0")))
     first_step = trainer.step
-    if (since_start := process_seconds()) is not None:  # imports and set-up, without SFT
-        trainer.phases["startup"] = since_start - trainer.phases.get("sft", 0.0)
+    if (since_start := process_seconds()) is not None:  # imports and set-up (SFT runs later)
+        trainer.phases["startup"] = since_start
     try:
         status = trainer.run()
     except StabilityStop as exc:
         logger.error("%s", exc)
         return 3
+    except RunAborted:
+        return report_abort(cfg.trainer.output_dir, trainer.rank)
     if status == 0 and trainer.rank == 0:
         for line in summary_lines(
             trainer.out, trainer.phases, first_step=first_step, total_s=process_seconds()

@@ -76,12 +76,17 @@ class DatasetConfig:
     """Row field holding an id; rows without one get ``"file:line"``."""
     max_prompt_len: int | None = None
     """Longest prompt kept: tokens when a tokenizer is given, else characters."""
+    max_row_bytes: int = 1 << 20
+    """Longest row (a ``.jsonl`` line, or a Parquet row's prompt + answer) in bytes; a longer
+    one is a bad row (``too_long``) read in bounded memory, never parsed or tokenised."""
     on_bad_row: str = "error"
     """``"error"``: raise on the first bad row; ``"skip"``: drop and count bad rows."""
 
     def __post_init__(self) -> None:
         if self.on_bad_row not in ("error", "skip"):
             raise ValueError(f"on_bad_row must be 'error' or 'skip', got {self.on_bad_row!r}")
+        if not isinstance(self.max_row_bytes, int) or self.max_row_bytes < 1024:
+            raise ValueError(f"max_row_bytes must be >= 1024, got {self.max_row_bytes!r}")
         if self.max_prompt_len is not None and self.max_prompt_len < 1:
             raise ValueError(f"max_prompt_len must be >= 1 or None, got {self.max_prompt_len!r}")
         for name in ("prompt_field", "answer_field"):
@@ -113,6 +118,35 @@ def _text(row: dict, field: str, *, allow_int: bool) -> str:
     if not value.strip():
         raise _BadRow("empty_text", f"field {field!r} is empty")
     return value
+
+
+def _bounded_lines(handle: Any, limit: int) -> Iterator[bytes | None]:
+    """The lines of a binary file, each read with at most ``limit + 1`` bytes in memory; a
+    longer line is consumed in chunks and yielded as None."""
+    while True:
+        raw = handle.readline(limit + 1)
+        if not raw:
+            return
+        if len(raw) <= limit or (raw.endswith(b"\n") and len(raw) == limit + 1):
+            yield raw
+            continue
+        while raw and not raw.endswith(b"\n"):
+            raw = handle.readline(1 << 20)
+        yield None
+
+
+def _cell_bytes(pc: Any, column: Any) -> list[int]:
+    """Bytes of each cell of a string/binary column (0 for nulls and other types)."""
+    import pyarrow as pa
+
+    if not (
+        pa.types.is_string(column.type)
+        or pa.types.is_large_string(column.type)
+        or pa.types.is_binary(column.type)
+        or pa.types.is_large_binary(column.type)
+    ):
+        return [0] * len(column)
+    return [n or 0 for n in pc.binary_length(column).to_pylist()]
 
 
 class PromptDataset(Sequence[PromptRecord]):
@@ -195,8 +229,19 @@ class PromptDataset(Sequence[PromptRecord]):
             handle = open(self.path, "rb")  # noqa: SIM115 - closed by the with below
         except OSError as exc:
             raise DatasetError(self.path, None, "io", f"cannot open ({exc})") from exc
+        limit = self.config.max_row_bytes
         with handle:
-            for line_no, raw in enumerate(handle, start=1):
+            for line_no, raw in enumerate(_bounded_lines(handle, limit), start=1):
+                if raw is None:
+                    yield (
+                        line_no,
+                        _BadRow(
+                            "too_long",
+                            f"line is over data.dataset.max_row_bytes={limit} bytes (skipped "
+                            "without reading it into memory; raise max_row_bytes if it is real)",
+                        ),
+                    )
+                    continue
                 try:
                     text = raw.decode("utf-8")
                 except UnicodeDecodeError as exc:
@@ -213,6 +258,13 @@ class PromptDataset(Sequence[PromptRecord]):
                     yield line_no, json.loads(text)
                 except (json.JSONDecodeError, RecursionError) as exc:
                     yield line_no, _BadRow("invalid_json", f"not valid JSON ({str(exc)[:80]})")
+                except ValueError as exc:  # e.g. an integer of more than 4300 digits
+                    yield (
+                        line_no,
+                        _BadRow(
+                            "invalid_json", f"a number too large to represent ({str(exc)[:80]})"
+                        ),
+                    )
 
     def _parquet_rows(self) -> Iterator[tuple[int, Any]]:
         import pyarrow as pa
@@ -232,8 +284,33 @@ class PromptDataset(Sequence[PromptRecord]):
                     f"no column {field!r} (columns: {sorted(names)}); set prompt_field/"
                     "answer_field to the file's column names",
                 )
+        import pyarrow.compute as pc
+
         row_no = 0
-        for batch in parquet.iter_batches(batch_size=4096):
-            for row in batch.to_pylist():
+        limit = self.config.max_row_bytes
+        fields = [self.config.prompt_field, self.config.answer_field]
+        for batch in parquet.iter_batches(batch_size=256):
+            sizes = [_cell_bytes(pc, batch.column(f)) for f in fields]
+            total = [sum(parts) for parts in zip(*sizes, strict=True)]
+            too_long = [n > limit for n in total]
+            if any(too_long):  # drop the long cells before they become Python strings
+                mask = pa.array(too_long)
+                columns = [
+                    pc.if_else(mask, pa.nulls(len(batch), type=col.type), col)
+                    if name in fields
+                    else col
+                    for name, col in zip(batch.schema.names, batch.columns, strict=True)
+                ]
+                batch = pa.RecordBatch.from_arrays(columns, names=batch.schema.names)
+            for row, long, size in zip(batch.to_pylist(), too_long, total, strict=True):
                 row_no += 1
-                yield row_no, row
+                if long:
+                    yield (
+                        row_no,
+                        _BadRow(
+                            "too_long",
+                            f"row is {size} bytes, over data.dataset.max_row_bytes={limit}",
+                        ),
+                    )
+                else:
+                    yield row_no, row

@@ -131,18 +131,23 @@ def initialize_parallel(cfg: ParallelConfig, seed: int) -> str:
     if not dist.is_initialized():
         rank = int(os.environ.get("RANK", "0"))
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        init_method = None  # torchrun's environment (MASTER_ADDR / MASTER_PORT)
         if "MASTER_PORT" not in os.environ:
             if world_size > 1:
                 raise RuntimeError(
                     f"WORLD_SIZE={world_size} but MASTER_PORT is not set: start the job with "
                     "torchrun (or set MASTER_ADDR/MASTER_PORT for every rank)"
                 )
-            os.environ["MASTER_PORT"] = str(_free_port())  # a plain single-process run
+            # A plain single-process run: a free port, passed directly. Not written into
+            # os.environ, where processes started later (a trainer launched from a script or
+            # a test that exported in-process) would inherit a port this process still holds.
+            addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+            init_method = f"tcp://{addr}:{_free_port()}"
         if on_gpu:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(
             backend,
+            init_method=init_method,
             rank=rank,
             world_size=world_size,
             timeout=timedelta(minutes=cfg.distributed_timeout_minutes),

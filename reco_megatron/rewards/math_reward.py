@@ -5,40 +5,91 @@
 ``0.5`` == ``\\frac{1}{2}``), else 0.0. Garbage, empty or unparseable input gives 0.0.
 
 ``math_verify`` parses LaTeX with sympy, which can be slow or hang on adversarial input. Its
-own ``signal.alarm`` timeouts are used when called from a main thread; the hard guarantee
-(kill and replace a hung process) is :class:`~reco_megatron.rewards.pool.RewardPool`'s.
+own ``signal.alarm`` timeouts (``reward.grader_timeout_s``, whole seconds, default 3; the
+pool passes it in :data:`~reco_megatron.rewards.types.GRADER_TIMEOUT_ENV`) are used when
+called from a main thread. math_verify turns a timeout into "no match"; here it is status
+``grader_timeout`` instead (score 0.0, counted as a failure, ``reward_fail_grader_timeout``),
+unless another comparison of the same item matched. The hard guarantee (kill and replace a
+hung process) is :class:`~reco_megatron.rewards.pool.RewardPool`'s.
 """
 
 from __future__ import annotations
 
+import os
 import threading
+from itertools import product
 
 from reco_megatron.rewards.extract import extract_final_answer, last_number
-from reco_megatron.rewards.types import NO_ANSWER, OK, PARSE_FAILURE, RewardResult
+from reco_megatron.rewards.types import (
+    GRADER_TIMEOUT,
+    GRADER_TIMEOUT_ENV,
+    NO_ANSWER,
+    OK,
+    PARSE_FAILURE,
+    RewardResult,
+)
 
 MAX_RESPONSE_CHARS = 8192
 """Only the last this-many characters of a response are searched (the answer is at the end)."""
 MAX_ANSWER_CHARS = 512
 """A longer extracted answer is treated as a parse failure rather than handed to sympy."""
 PARSE_TIMEOUT_S = 3
-"""math_verify's own (signal-based, whole seconds) timeout for parse and verify."""
+"""math_verify's own (signal-based, whole seconds) timeout for parse and verify, unless
+:data:`~reco_megatron.rewards.types.GRADER_TIMEOUT_ENV` says otherwise."""
+
+
+class GraderTimeout(Exception):
+    """math_verify gave up on an expression (its own timeout): no verdict."""
 
 
 def _alarm_timeout() -> int | None:
     """math_verify's signal timeout only works in the main thread; None elsewhere."""
-    return PARSE_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return int(os.environ.get(GRADER_TIMEOUT_ENV, PARSE_TIMEOUT_S))
+
+
+def _parse_one(text: str, timeout: int | None) -> list:
+    from math_verify import parse
+    from math_verify.errors import TimeoutException
+
+    try:
+        return parse(text, parsing_timeout=timeout, raise_on_error=True)
+    except TimeoutException as exc:
+        raise GraderTimeout(f"parsing {text[:60]!r} took over {timeout} s") from exc
+    except Exception:  # sympy/antlr raise anything: unparseable, as math_verify would say
+        return []
 
 
 def _parse(text: str) -> list:
     """math_verify parse of a bare LaTeX/plain expression, wrapped in ``$..$`` first."""
-    from math_verify import parse
-
     timeout = _alarm_timeout()
     if "$" not in text and "\\boxed" not in text:
-        parsed = parse(f"${text}$", parsing_timeout=timeout)
+        parsed = _parse_one(f"${text}$", timeout)
         if parsed:
             return parsed
-    return parse(text, parsing_timeout=timeout)
+    return _parse_one(text, timeout)
+
+
+def _verify(gold: list, pred: list) -> bool:
+    """math_verify's ``verify`` (any pair of the parses matches), except that a pair that
+    timed out is not a mismatch: with no match, a timeout raises :class:`GraderTimeout`."""
+    from math_verify import verify
+    from math_verify.errors import TimeoutException
+
+    timeout = _alarm_timeout()
+    timed_out = False
+    for g, p in product(gold, pred):
+        try:
+            if verify([g], [p], timeout_seconds=timeout, raise_on_error=True):
+                return True
+        except TimeoutException:
+            timed_out = True
+        except Exception:  # a comparison sympy cannot make: not equal, as math_verify says
+            continue
+    if timed_out:
+        raise GraderTimeout(f"a comparison took over {timeout} s")
+    return False
 
 
 def _compact(text: str) -> str:
@@ -52,8 +103,6 @@ def math_reward_result(response: str, gold: str) -> RewardResult:
         response: model output, any string (only the last ``MAX_RESPONSE_CHARS`` are read).
         gold: reference answer, LaTeX or plain (``"\\frac{1}{2}"``, ``"0.5"``, ``"x+1"``).
     """
-    from math_verify import verify
-
     if not isinstance(response, str) or not isinstance(gold, str):
         return RewardResult(0.0, PARSE_FAILURE)
     answer = extract_final_answer(response[-MAX_RESPONSE_CHARS:])
@@ -72,7 +121,9 @@ def math_reward_result(response: str, gold: str) -> RewardResult:
             # Unparseable gold: only a literal match counts.
             equal = _compact(answer) == _compact(gold) != ""
             return RewardResult(1.0 if equal else 0.0, OK if equal else PARSE_FAILURE)
-        matched = verify(gold_parsed, pred_parsed, timeout_seconds=_alarm_timeout())
+        matched = _verify(gold_parsed, pred_parsed)
+    except GraderTimeout:
+        return RewardResult(0.0, GRADER_TIMEOUT)
     except MemoryError:
         raise  # the pool counts it and replaces the worker
     except Exception:  # sympy/antlr raise anything; the contract is "0.0, never crash"

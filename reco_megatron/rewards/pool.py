@@ -49,6 +49,14 @@ class RewardPoolConfig:
     """Worker processes; each scores one item at a time."""
     timeout_s: float = 10.0
     """Per-item wall-clock limit; past it the worker is killed and the item scores 0.0."""
+    grader_timeout_s: int = 3
+    """Limit (whole seconds) of a grader's own timeouts, e.g. math_verify's parse and verify;
+    an item it gives up on scores 0.0 and counts as ``reward_fail_grader_timeout`` (a
+    failure, not a wrong answer). Keep it below ``timeout_s``, or the pool kills a slow grader
+    first (``reward_fail_timeout``)."""
+    max_abs_score: float = 1e6
+    """A finite score beyond +-this is a failure (``reward_fail_out_of_range``, scores 0.0):
+    the trainer computes in float32, where 3.4e38 is already infinite."""
     memory_limit_mb: int | None = 4096
     """RLIMIT_AS of each worker in MiB (address space, not RSS); None for no limit."""
     max_response_chars: int = 16384
@@ -72,7 +80,14 @@ class RewardPoolConfig:
             "max_gold_chars": self.max_gold_chars >= 1,
             "start_timeout_s": self.start_timeout_s > 0,
             "memory_limit_mb": self.memory_limit_mb is None or self.memory_limit_mb >= 64,
+            "max_abs_score": self.max_abs_score > 0,
         }
+        grader = self.grader_timeout_s
+        if isinstance(grader, bool) or not isinstance(grader, int) or grader < 1:
+            raise ValueError(
+                f"RewardPoolConfig.grader_timeout_s={grader!r} must be a whole number of seconds "
+                ">= 1 (math_verify's timeouts use signal.alarm)"
+            )
         frac = self.max_failed_frac
         if isinstance(frac, bool) or not isinstance(frac, int | float) or not 0 <= frac <= 1:
             raise ValueError(
@@ -112,6 +127,13 @@ class RewardPool:
     def __init__(self, config: RewardPoolConfig | None = None) -> None:
         self.config = config or RewardPoolConfig()
         resolve_reward(self.config.reward)  # fail fast, in the caller, with a clear message
+        if self.config.reward == "math" and self.config.grader_timeout_s >= self.config.timeout_s:
+            log.warning(
+                "reward.grader_timeout_s=%d is not below reward.timeout_s=%g: a slow grading is "
+                "killed by the pool (a timeout) before math_verify's own limit reports it",
+                self.config.grader_timeout_s,
+                self.config.timeout_s,
+            )
         self._workers: list[_Worker] = []
         self._checking = False
         self._warned: set[str] = set()
@@ -131,6 +153,7 @@ class RewardPool:
         env = dict(os.environ)
         package_root = os.path.dirname(os.path.dirname(os.path.abspath(reco_megatron.__file__)))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+        env[st.GRADER_TIMEOUT_ENV] = str(self.config.grader_timeout_s)
         fd = child_sock.fileno()
         proc = subprocess.Popen(
             [sys.executable, "-m", "reco_megatron.rewards._worker", str(fd), str(os.getpid())],
@@ -254,6 +277,9 @@ class RewardPool:
         ) -> None:
             nonlocal in_flight
             worker = self._workers[worker_index]
+            if status not in st.FAILURE_KINDS and not abs(score) <= cfg.max_abs_score:
+                detail = f"returned {score!r}, beyond reward.max_abs_score={cfg.max_abs_score:g}"
+                score, status = 0.0, st.OUT_OF_RANGE
             scores[index], statuses[index] = score, status
             if status in st.FAILURE_KINDS and not self._checking:
                 self._warn_once(status, items[index], detail)
@@ -352,6 +378,7 @@ class RewardPool:
         names = {st.PARSE_FAILURE: "parse_failures", st.TIMEOUT: "timeouts", st.CRASH: "crashes"}
         names |= {st.MEMORY: "memory_errors", st.ERROR: "errors", st.INVALID: "invalid"}
         names |= {st.NO_ANSWER: "no_answer", st.NAN: "nan_scores", st.NONE: "none_scores"}
+        names |= {st.GRADER_TIMEOUT: "grader_timeouts", st.OUT_OF_RANGE: "out_of_range"}
         for status, name in names.items():
             metrics[f"reward/{name}/sum"] = float(counts.get(status, 0))
         return metrics

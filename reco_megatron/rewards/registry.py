@@ -104,8 +104,9 @@ def resolve_answer_key(spec: str) -> Callable[[str, str], object] | None:
 def coerce_result(value: object) -> RewardResult:
     """Turn a reward function's return value into a :class:`RewardResult`.
 
-    Accepted: a finite real number (int, float, numpy scalar; a bool counts as 0/1),
-    or a ``RewardResult`` with a finite score and a known status. Anything else scores 0.0
+    Accepted: a finite real number (int, float, a numpy scalar or 0-d array, numpy's bool
+    included; a bool counts as 0/1), or a ``RewardResult`` with a finite score and a known
+    status. Anything else scores 0.0
     with status ``"none"`` (None), ``"nan"`` (NaN or an infinity) or ``"invalid"`` (a string,
     another object, an unknown status, an int too large for a float).
     """
@@ -117,6 +118,8 @@ def coerce_result(value: object) -> RewardResult:
         score, status = value, OK
     if score is None:
         return RewardResult(0.0, NONE)
+    if type(score).__module__ == "numpy" and getattr(score, "shape", None) == ():
+        score = score.item()  # np.bool_, np.float32, a 0-d array: their Python value
     if isinstance(score, bool):
         score = float(score)
     if not isinstance(score, numbers.Real):

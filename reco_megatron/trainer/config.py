@@ -23,6 +23,7 @@ from reco_megatron.rollout.vllm_requests import VLLM_MAX_TEMPERATURE, VLLM_MIN_T
 from reco_megatron.trainer import loggers
 from reco_megatron.trainer.guards import StabilityConfig
 from reco_megatron.trainer.loggers import LoggerName
+from reco_megatron.trainer.value_ranges import check_ranges
 
 
 def _check_ints(obj: object, hints: dict[str, str] | None = None, **minimum: int) -> None:
@@ -193,6 +194,13 @@ class TrainerConfig:
     "not installed" note); older configs set it."""
     progress: bool = True
     """A progress bar on rank 0 (tqdm or rich when installed)."""
+    allow_config_change: bool = False
+    """Resume even when the config changes what is being trained (model, data by content,
+    seed, objective, reward, ...); each change is logged and kept in config_history.jsonl.
+    Changes of the schedule, intervals, guards, logging and workers never need it."""
+    allow_out_of_range: list[str] = field(default_factory=list)
+    """Keys whose sanity range (lr, workers, ...; docs/stability.md) is not checked, e.g.
+    ``[optimizer.lr]`` when a learning rate above 1e-2 is really meant."""
 
     def __post_init__(self) -> None:
         _check_ints(self, {"max_steps": "0 runs the SFT warm-up only"}, max_steps=0, log_interval=1)
@@ -212,7 +220,8 @@ class CheckpointConfig:
     """Steps between checkpoints (0: only at the end)."""
     keep_last: int = 3
     """Complete checkpoints kept; older ones are removed after a new one is written (0 keeps
-    every checkpoint)."""
+    every checkpoint). ``step_00000000``, written at the end of the SFT warm-up, is never
+    removed: it is the base the run is compared with."""
     init_hf: str = ""
     """Start from this local Hugging Face checkpoint directory (config.json + safetensors)."""
     init_megatron: str = ""
@@ -229,6 +238,10 @@ class CheckpointConfig:
     the file and the previous complete checkpoint) or ``fallback`` (move the damaged one aside
     to ``damaged-step_*``, point ``latest`` at the previous complete checkpoint, resume from
     it; docs/stability.md)."""
+    group_writable: bool = False
+    """Write checkpoints group-writable (as the umask allows) instead of writable by their
+    owner only. A checkpoint is read by code that trusts it: leave it off on shared project
+    folders unless every member of the group is trusted with the runs."""
 
     def __post_init__(self) -> None:
         _check_ints(
@@ -271,6 +284,7 @@ class TrainConfig:
     """Periodic pass@k / diversity on held-out prompts (``eval.interval=0`` disables)."""
 
     def __post_init__(self) -> None:
+        check_ranges(self, self.trainer.allow_out_of_range)
         total = self.rollout.prompts_per_step
         n = self.update.minibatches_per_rollout
         if total % n:

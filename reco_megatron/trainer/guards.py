@@ -1,4 +1,4 @@
-"""Stability guards for the replaced ratio, and preemption signals.
+"""Stability guards for the replaced ratio.
 
 ReCo replaces the importance ratio, a well-understood term, and its paper reports no
 stability analysis; these guards watch the quantities that would show trouble
@@ -6,26 +6,18 @@ stability analysis; these guards watch the quantities that would show trouble
 *after* forward+backward and *before* the optimizer step, so ``skip`` really skips the update.
 Decisions use globally reduced metrics, so every rank takes the same one.
 
-Preemption: Slurm sends SIGTERM (preemption, ``scancel``) or a configured SIGUSR1 before the
-time limit. :class:`StopSignal` records the first one; the loop finishes the current step,
-saves a checkpoint and exits with :data:`EXIT_RESUMABLE`. A second signal while saving is
-recorded and ignored: the checkpoint is written to a temporary directory and renamed, so the
-previous ``latest`` stays valid whatever happens.
+Stop signals (SIGTERM, SIGUSR1, Ctrl-C) are handled in ``stop_signals``.
 """
 
 from __future__ import annotations
 
 import math
-import signal
 from dataclasses import dataclass
 from typing import Literal
 
 from reco_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)
-
-EXIT_RESUMABLE = 75
-"""Exit status after a signal-triggered checkpoint (EX_TEMPFAIL): requeue and resume."""
 
 Action = Literal["warn", "skip", "stop"]
 
@@ -128,33 +120,3 @@ class StabilityGuard:
             if decision == "warn":
                 logger.warning("stability: %s", "; ".join(reasons))
         return decision
-
-
-class StopSignal:
-    """Records SIGTERM / SIGUSR1 so the loop can checkpoint and exit between steps."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-
-    def __init__(self) -> None:
-        self.received: int | None = None
-        self._previous: dict[int, object] = {}
-
-    def install(self) -> StopSignal:
-        for sig in self.SIGNALS:
-            self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum: int, frame: object) -> None:
-        if self.received is None:
-            self.received = signum
-            logger.warning(
-                "received %s: finishing this step, then checkpoint and exit",
-                signal.Signals(signum).name,
-            )
-        else:
-            logger.warning("received %s again: still saving, ignored", signal.Signals(signum).name)
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)  # type: ignore[arg-type]
-        self._previous.clear()

@@ -18,15 +18,17 @@ import torch
 import torch.distributed as dist
 
 from reco_megatron.algo import group_advantages
-from reco_megatron.config import config_to_dict, dump_config
+from reco_megatron.config import dump_config
+from reco_megatron.config.dump import config_to_dict
 from reco_megatron.data.chat import PromptFormatter
 from reco_megatron.data.sampler import PromptSampler
-from reco_megatron.megatron.batch import data_parallel_groups, data_parallel_share
+from reco_megatron.megatron.batch import data_parallel_groups
 from reco_megatron.megatron.checkpoint import (
     CheckpointSpaceError,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
+    sft_checkpoint_name,
 )
 from reco_megatron.megatron.checkpoint.resume import resume_latest
 from reco_megatron.megatron.device import collective_device
@@ -35,17 +37,21 @@ from reco_megatron.megatron.engine import ReCoEngine
 from reco_megatron.rewards.pool import RewardPool
 from reco_megatron.trainer import reward_health, setup
 from reco_megatron.trainer.config import TrainConfig
-from reco_megatron.trainer.guards import EXIT_RESUMABLE, StabilityGuard, StopSignal
+from reco_megatron.trainer.config_history import CONFIG_HEADER, ResumeCheck
+from reco_megatron.trainer.guards import StabilityGuard
 from reco_megatron.trainer.metrics_writer import (
     MetricsWriter,
     plot_training_curves,
     truncate_jsonl,
 )
 from reco_megatron.trainer.preflight import preflight
-from reco_megatron.trainer.progress import announce_startup, sft_progress
+from reco_megatron.trainer.progress import announce_startup
 from reco_megatron.trainer.rollout_agreement import agree_on_completions
 from reco_megatron.trainer.rollout_batch import build_rollout_batch
+from reco_megatron.trainer.run_lock import RunLock, take_run_directory
+from reco_megatron.trainer.sft_warmup import run_warmup
 from reco_megatron.trainer.step_metrics import global_row, rollout_counters
+from reco_megatron.trainer.stop_signals import EXIT_RESUMABLE, StopSignals, stop_here
 from reco_megatron.trainer.weight_sync import build_rollout_engine, sync_weights
 from reco_megatron.utils.logging import get_logger
 
@@ -55,17 +61,36 @@ logger = get_logger(__name__)
 class Trainer:
     """Build everything from a :class:`TrainConfig`; :meth:`run` trains to ``max_steps``."""
 
-    def __init__(self, cfg: TrainConfig) -> None:
+    def __init__(self, cfg: TrainConfig, signals: StopSignals | None = None) -> None:
         self.cfg = cfg
         self.phases: dict[str, float] = {}  # seconds per phase, for the end-of-run summary
+        self.config_plain = config_to_dict(cfg)  # as loaded: what checkpoints record
+        self._own_signals = signals is None  # the CLI installs them before; tests may not
+        self.signals = signals or StopSignals().install()
+        self.lock: RunLock | None = None
+        self.rewards: RewardPool | None = None
+        self.rollout: Any = None
+        self.writer: MetricsWriter | None = None
         checked = preflight(cfg)  # ConfigError before anything is created or computed
         announce_startup(cfg)
-        self.out = setup.prepare_output_dir(cfg.trainer.output_dir)
         initialize_parallel(cfg.parallel, seed=cfg.trainer.seed)
         self.layout = rank_layout()
         self.rank = self.layout.rank
         self.dp_rank = self.layout.dp_rank
         self.dp_size = self.layout.dp_size
+        # one trainer per run directory, before anything is written to it
+        self.lock = take_run_directory(cfg.trainer.output_dir, self.rank)
+        try:
+            self._build(checked)
+        except BaseException:  # an unusable checkpoint, a refused resume, a second Ctrl-C
+            self.close(failed_start=True)
+            raise
+
+    def _build(self, checked: Any) -> None:
+        cfg = self.cfg
+        self.out = setup.prepare_output_dir(cfg.trainer.output_dir, remove_partials=self.rank == 0)
+        dist.barrier()  # no rank looks at checkpoints/ while rank 0 clears partial saves
+        self.resume = ResumeCheck(cfg, self.config_plain, self.out, self.rank)
         self.tokenizer = checked.tokenizer
         if checked.dataset is None:
             train_path, _ = setup.ensure_countdown_data(
@@ -99,15 +124,13 @@ class Trainer:
         )
         self.rewards = RewardPool(cfg.reward) if self.layout.first_of_replica else None
         self.step = 0
+        self.sft_from: int | None = None  # the SFT step to continue from, None: no warm-up
+        self.unsaved_progress = False  # trained since the last checkpoint (or the start)
         self.guard = StabilityGuard(cfg.stability)
-        self.writer: MetricsWriter | None = None
-        try:
-            self._initialise_weights()
-        except BaseException:  # e.g. an unusable checkpoint: stop the reward workers too
-            self.close()
-            raise
+        loaded = self._initialise_weights()
         if self.rank == 0:
-            dump_config(cfg, self.out / "config.yaml")
+            self.resume.record(self.step, loaded)
+            dump_config(cfg, self.out / "config.yaml", header=CONFIG_HEADER)
             for name in ("metrics.jsonl", "eval.jsonl"):  # rows after the resumed step are redone
                 truncate_jsonl(self.out / name, self.step)
         self.coverage = self._coverage_evaluator()
@@ -118,7 +141,7 @@ class Trainer:
                 tensorboard=cfg.trainer.tensorboard,
                 loggers=cfg.trainer.loggers,
                 project=cfg.trainer.project,
-                run_config=config_to_dict(cfg),
+                run_config=self.config_plain,
                 progress=cfg.trainer.progress and self.step < cfg.trainer.max_steps,
                 initial_step=self.step,
                 log_interval=cfg.trainer.log_interval,
@@ -132,20 +155,24 @@ class Trainer:
     def ckpt_root(self) -> Path:
         return self.out / "checkpoints"
 
-    def _initialise_weights(self) -> None:
+    def _initialise_weights(self) -> str | None:
+        """Resume from ``latest`` (the config diff was checked before), else initialise from
+        ``init_megatron`` / ``init_hf``; returns the checkpoint resumed from."""
         cfg = self.cfg.checkpoint
         resumed = (
             resume_latest(self.ckpt_root, self.engine, on_damaged=cfg.on_damaged)
             if cfg.resume
             else None
         )
-        latest = None
         if resumed is not None:
             latest, state = resumed
+            self.resume.check_loaded(latest.name, state)  # a fallback loaded an older one
             self.step = int(state["step"])
             self.sampler.load_state_dict(state["sampler"])
             if state.get("rollout") is not None:
                 self.rollout.load_state_dict(state["rollout"])
+            if state.get("phase") == "sft":
+                self.sft_from = int(state["sft_step"])
             logger.info("resumed from %s at step %d", latest, self.step)
         elif cfg.init_megatron:
             load_checkpoint(
@@ -155,31 +182,11 @@ class Trainer:
             from reco_megatron.megatron.hf.converter import load_hf_into_engine
 
             load_hf_into_engine(cfg.init_hf, self.engine, self.converter)
-        if latest is None and self.cfg.sft.steps > 0:
-            self._sft_warmup()
-        sync_weights(self.engine, self.rollout, self.cfg.model, self.converter)
-
-    def _sft_warmup(self) -> None:
-        sft = self.cfg.sft
-        batches = setup.sft_batches(
-            self.tokenizer,
-            self.cfg.data.template,
-            steps=sft.steps,
-            batch_size=sft.batch_size,
-            solutions_per_problem=sft.solutions_per_problem,
-            seed=self.cfg.trainer.seed,
-            max_len=self.cfg.model.max_position_embeddings,
-            countdown=self.cfg.data.countdown,
-        )
-        start = time.perf_counter()
-        progress = sft_progress(len(batches), self.rank == 0, self.cfg.trainer.progress)
-        for batch in batches:
-            share = data_parallel_share(batch, self.dp_rank, self.dp_size, 1)
-            metrics = self.engine.sft_step(share, sft.lr)
-            progress.update({"nll": metrics.get("loss", float("nan"))})
-        progress.close()
-        self.phases["sft"] = time.perf_counter() - start
-        logger.info("sft warm-up: %d steps in %.1f s", len(batches), self.phases["sft"])
+        if resumed is None and self.cfg.sft.steps > 0:
+            self.sft_from = 0
+        if self.sft_from is None:
+            sync_weights(self.engine, self.rollout, self.cfg.model, self.converter)
+        return resumed[0].name if resumed is not None else None
 
     # ------------------------------------------------------------------ one step
     def _generate(self, indices: list[int]) -> tuple[list[list[int]], list[Any], list[str], bool]:
@@ -267,11 +274,16 @@ class Trainer:
         return row
 
     # ------------------------------------------------------------------ the run
-    def save(self) -> None:
+    def save(self, *, sft_step: int | None = None) -> None:
+        """Checkpoint of the current step (``sft_step``: inside the SFT warm-up)."""
         state = {
             "step": self.step,
+            "phase": "sft" if sft_step is not None else "rl",
+            "sft_step": sft_step,
             "sampler": self.sampler.state_dict(),
             "rollout": self.rollout.state_dict(),
+            "config": self.config_plain,
+            "inputs": self.resume.inputs,
         }
         try:
             save_checkpoint(
@@ -280,62 +292,57 @@ class Trainer:
                 self.engine,
                 state,
                 keep_last=self.cfg.checkpoint.keep_last,
+                name=sft_checkpoint_name(sft_step) if sft_step is not None else None,
+                group_writable=self.cfg.checkpoint.group_writable,
             )
         except CheckpointSpaceError as exc:  # the message says it all: no traceback
             raise SystemExit(f"reco-train: {exc}") from None
-
-    def _stop_requested(self, stop: StopSignal) -> bool:
-        """Whether any rank received a stop signal (collective, so all ranks agree)."""
-        flag = torch.tensor([1.0 if stop.received is not None else 0.0])
-        flag = flag.to(collective_device())
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item() > 0)
+        self.unsaved_progress = False
 
     def run(self) -> int:
         """Train until ``trainer.max_steps``; returns the process exit status (0, or
-        :data:`EXIT_RESUMABLE` after a preemption signal and its checkpoint)."""
+        :data:`EXIT_RESUMABLE` after a stop signal and its checkpoint)."""
         cfg = self.cfg
-        stop = StopSignal().install()
-        status = 0
-        if self.step >= cfg.trainer.max_steps > 0:  # resumed with no step left
-            logger.info(
-                "nothing to do: the checkpoint is at step %d, trainer.max_steps=%d (raise it to "
-                "train on, or choose a new trainer.output_dir)",
-                self.step,
-                cfg.trainer.max_steps,
-            )
-        rl_start = time.perf_counter()
+        rl_start: float | None = None
         try:
+            if self.sft_from is not None:
+                if run_warmup(self, self.sft_from):
+                    return EXIT_RESUMABLE
+                self.sft_from = None
+                sync_weights(self.engine, self.rollout, cfg.model, self.converter)
+            rl_start = time.perf_counter()
+            if self.step >= cfg.trainer.max_steps > 0:  # resumed with no step left
+                logger.info(
+                    "nothing to do: the checkpoint is at step %d, trainer.max_steps=%d (raise it "
+                    "to train on, or choose a new trainer.output_dir)",
+                    self.step,
+                    cfg.trainer.max_steps,
+                )
             self._evaluate_coverage()
+            if stop_here(self):  # a signal during start-up or the step-0 evaluation
+                return EXIT_RESUMABLE
             while self.step < cfg.trainer.max_steps:
                 row = self.train_step()
+                self.unsaved_progress = True
                 if self.writer is not None:
                     self.writer.write(row)
                 self._evaluate_coverage()
-                if self._stop_requested(stop):
-                    self.save()
-                    logger.warning(
-                        "stopped by signal after step %d; checkpoint saved, exit %d "
-                        "(resume by running the same command)",
-                        self.step,
-                        EXIT_RESUMABLE,
-                    )
-                    status = EXIT_RESUMABLE
-                    break
                 interval = cfg.checkpoint.save_interval
                 if interval and self.step % interval == 0 and self.step < cfg.trainer.max_steps:
                     self.save()
-            if status == 0 and not (self.ckpt_root / f"step_{self.step:08d}").exists():
+                if stop_here(self):
+                    return EXIT_RESUMABLE
+            if not (self.ckpt_root / f"step_{self.step:08d}").exists():
                 self.save()
         finally:
-            self.phases["rl"] = time.perf_counter() - rl_start
-            stop.restore()
+            if rl_start is not None:
+                self.phases["rl"] = time.perf_counter() - rl_start
             self.close()
-        if status == 0 and self.rank == 0 and (self.out / "metrics.jsonl").exists():
+        if self.rank == 0 and (self.out / "metrics.jsonl").exists():
             plot_training_curves(self.out / "metrics.jsonl", self.out / "training_curves.png")
-        if status == 0 and self.coverage is not None:
+        if self.coverage is not None:
             self.coverage.finish()
-        return status
+        return 0
 
     # ------------------------------------------------------------------ coverage eval
     def _coverage_evaluator(self) -> Any:
@@ -376,15 +383,21 @@ class Trainer:
             lambda texts, golds: rewards.score(texts, golds).scores,
         )
 
-    def close(self) -> None:
+    def close(self, *, failed_start: bool = False) -> None:
+        """Stop the workers and release the run directory (idempotent)."""
         from reco_megatron.megatron.checkpoint.megatron_state import shutdown_async_writer
 
         if self.writer is not None:
             self.writer.close()
         if self.rewards is not None:
             self.rewards.close()
-        self.rollout.close()
+        if self.rollout is not None:
+            self.rollout.close()
         shutdown_async_writer()
+        if self.lock is not None:
+            self.lock.release(failed_start=failed_start)
+        if self._own_signals:
+            self.signals.restore()
 
 
 def _resolve(path: str) -> Path:

@@ -136,10 +136,12 @@ class StepProgress:
         return sum(self._times)
 
 
-def sft_progress(steps: int, rank0: bool, bar: bool) -> StepProgress:
+def sft_progress(steps: int, rank0: bool, bar: bool, initial: int = 0) -> StepProgress:
     """The SFT warm-up's progress: a bar (``trainer.progress`` and a terminal) or a line every
-    10 steps, on rank 0."""
-    return StepProgress(steps, desc="sft", enabled=rank0, every=10, bar=None if bar else False)
+    10 steps, on rank 0; ``initial``: the step a resumed warm-up continues after."""
+    return StepProgress(
+        steps, desc="sft", initial=initial, enabled=rank0, every=10, bar=None if bar else False
+    )
 
 
 def announce_startup(cfg: Any) -> None:

@@ -35,6 +35,9 @@ BAD_ROWS = [
     (json.dumps({"prompt": "  ", "answer": "2"}).encode(), "empty_text", "'prompt' is empty"),
     (b'{"prompt": "\\ud800", "answer": "1"}', "invalid_unicode", "unencodable"),
     (json.dumps({"prompt": "x" * 50, "answer": "2"}).encode(), "too_long", "50 characters"),
+    # json.loads raises ValueError (not JSONDecodeError) past 4300 digits: was a traceback
+    (b'{"prompt": "q", "answer": ' + b"9" * 5001 + b"}", "invalid_json", "number too large"),
+    (json.dumps({"prompt": "y" * 9000, "answer": "2"}).encode(), "too_long", "max_row_bytes=8192"),
 ]
 
 
@@ -44,7 +47,7 @@ def test_each_bad_row_kind_names_file_and_line(
 ) -> None:
     path = _write(tmp_path / "data.jsonl", [GOOD, b"", GOOD, row, GOOD])
     with pytest.raises(DatasetError, match=message) as info:
-        PromptDataset(path, DatasetConfig(max_prompt_len=40))
+        PromptDataset(path, DatasetConfig(max_prompt_len=40, max_row_bytes=8192))
     assert (info.value.line, info.value.kind) == (4, kind)
     assert str(info.value).startswith(f"{path}:4: ")
     assert "on_bad_row='skip'" in str(info.value)
@@ -52,7 +55,9 @@ def test_each_bad_row_kind_names_file_and_line(
 
 def test_skip_mode_counts_every_kind(tmp_path: Path) -> None:
     path = _write(tmp_path / "data.jsonl", [GOOD] + [row for row, _, _ in BAD_ROWS] + [GOOD])
-    ds = PromptDataset(path, DatasetConfig(max_prompt_len=40, on_bad_row="skip"))
+    ds = PromptDataset(
+        path, DatasetConfig(max_prompt_len=40, on_bad_row="skip", max_row_bytes=8192)
+    )
     assert len(ds) == 2
     expected: dict[str, int] = {}
     for _, kind, _ in BAD_ROWS:
@@ -100,6 +105,55 @@ def test_parquet_rows_are_validated(tmp_path: Path) -> None:
     assert dict(ds.skipped) == {"invalid_utf8": 1, "missing_field": 1}
     with pytest.raises(DatasetError, match="no column 'question'"):
         PromptDataset(path, DatasetConfig(prompt_field="question"))
+
+
+_PEAK = """
+import resource, sys
+from reco_megatron.data.dataset import DatasetConfig, PromptDataset
+from reco_megatron.data.tokenizer import SentencePieceTokenizer
+tok = SentencePieceTokenizer(sys.argv[2])
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+cfg = DatasetConfig(max_prompt_len=64, on_bad_row="skip")
+ds = PromptDataset(sys.argv[1], cfg, tokenizer=tok)
+peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) >> 10
+print(len(ds), dict(ds.skipped), peak)
+"""
+
+
+def test_a_huge_line_is_refused_in_bounded_memory(tmp_path: Path) -> None:
+    """A 20 MB line: before, the start-up check decoded, parsed and tokenised all of it (a
+    50 MB line peaked at 3.6 GB); now it is skipped after reading max_row_bytes of it."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "d.jsonl"
+    with open(path, "wb") as f:
+        f.write(
+            GOOD + b"\n" + b'{"prompt": "' + b"7 + " * (5 << 20) + b'", "answer": "1"}\n' + GOOD
+        )
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", _PEAK, str(path), str(SP_MODEL)],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows, peak_mib = done.stdout.split()[0], done.stdout.split()[-1]
+    assert rows == "2" and "{'too_long': 1}" in done.stdout
+    assert int(peak_mib) < 64, f"peak grew by {peak_mib} MiB while reading a 20 MB line"
+
+
+def test_parquet_rows_over_the_size_limit_are_skipped(tmp_path: Path) -> None:
+    table = pa.table({"prompt": ["short", "z" * 5000, "fine"], "answer": ["1", "2", "3"]})
+    path = tmp_path / "d.parquet"
+    pq.write_table(table, path)
+    ds = PromptDataset(path, DatasetConfig(on_bad_row="skip", max_row_bytes=1024))
+    assert [r.prompt for r in ds] == ["short", "fine"] and dict(ds.skipped) == {"too_long": 1}
+    with pytest.raises(DatasetError, match=r"d.parquet:2: row is 5001 bytes, over"):
+        PromptDataset(path, DatasetConfig(max_row_bytes=1024))
 
 
 def test_file_level_errors(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ step after a load must equal the step of the uninterrupted run exactly.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -135,8 +136,8 @@ def test_bad_checkpoints_give_clear_errors(mode, match, reference, tmp_path) -> 
     elif mode != "missing":
         run_distributed(_save_body, 1, args=(1, str(root), reference), timeout=120)
     step = root / "step_00000005"
-    if mode.endswith("/old"):
-        (step / "manifest.json").unlink()
+    if mode.endswith("/old"):  # format 1, written before checksums: no manifest
+        _as_format_1(step)
     if mode.startswith("corrupt_meta"):
         (step / "meta.json").write_text("{not json")
     if mode.startswith("corrupt_weights"):
@@ -144,6 +145,12 @@ def test_bad_checkpoints_give_clear_errors(mode, match, reference, tmp_path) -> 
             f.write_bytes(b"\0" * 16)
     message = run_distributed(_expect_error, 1, args=(str(root), mode), timeout=120)[0]
     assert message is not None and match in message, message
+
+
+def _as_format_1(step: Path) -> None:
+    meta = json.loads((step / "meta.json").read_text())
+    (step / "meta.json").write_text(json.dumps({**meta, "format_version": 1}))
+    (step / "manifest.json").unlink()
 
 
 def _save_dp2_body(rank, world_size, root, reference):

@@ -17,11 +17,13 @@ import pytest
 from reco_megatron.megatron.checkpoint import (
     CheckpointSpaceError,
     DamagedCheckpointError,
+    LatestPointerError,
     integrity,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
 )
+from reco_megatron.megatron.checkpoint.format import read_latest
 from reco_megatron.megatron.checkpoint.resume import remove_partial_checkpoints, resume_latest
 from reco_megatron.testing import run_distributed
 from tests.megatron import _reco
@@ -166,7 +168,10 @@ def _load_weights(rank, world_size, path):
 def test_checkpoint_without_manifest_loads_with_a_warning(two_checkpoints, tmp_path, caplog):
     root = tmp_path / "checkpoints"
     shutil.copytree(two_checkpoints, root)
-    (root / "step_00000002" / "manifest.json").unlink()  # as written before checksums
+    step = root / "step_00000002"  # as written before checksums: format 1, no manifest
+    meta = json.loads((step / "meta.json").read_text())
+    (step / "meta.json").write_text(json.dumps({**meta, "format_version": 1}))
+    (step / "manifest.json").unlink()
     state = run_distributed(_load_weights, 1, args=(str(root / "step_00000002"),), timeout=120)
     assert state[0] == {"step": 2}
     with caplog.at_level(logging.WARNING):
@@ -174,6 +179,29 @@ def test_checkpoint_without_manifest_loads_with_a_warning(two_checkpoints, tmp_p
 
         assert verify_checkpoint(root / "step_00000002") is False
     assert "loading it unverified" in caplog.text
+
+
+def _resume_or_message(rank, world_size, root, on_damaged):
+    engine = _reco.build_engine()
+    try:
+        path, state = resume_latest(root, engine, on_damaged=on_damaged)
+    except (LatestPointerError, DamagedCheckpointError) as exc:
+        return str(exc)
+    return path.name, state
+
+
+@pytest.mark.dist
+def test_fallback_over_a_damaged_latest_and_a_damaged_newest(two_checkpoints, tmp_path) -> None:
+    root = tmp_path / "checkpoints"
+    shutil.copytree(two_checkpoints, root)
+    (root / "latest").write_bytes(b"step_0000\xe90002\n")
+    _flip_blocks(sorted((root / "step_00000002" / "dist").glob("*.distcp"))[0])
+    message = run_distributed(_resume_or_message, 2, args=(str(root), "stop"), timeout=240)[0]
+    assert isinstance(message, str) and "non-ASCII" in message
+    results = run_distributed(_resume_or_message, 2, args=(str(root), "fallback"), timeout=240)
+    assert results == [("step_00000001", {"step": 1})] * 2
+    assert read_latest(root) == "step_00000001"  # the pointer names what was loaded
+    assert (root / "damaged-step_00000002").is_dir()
 
 
 def _save_into(rank, world_size, root):

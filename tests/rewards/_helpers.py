@@ -66,7 +66,8 @@ NOT_CALLABLE = 3
 
 def fails_by_command(response: str, gold: str) -> object:
     """Each failure kind on demand: the response names it ("raise", "nan", "inf", "none",
-    "str", "memory", "hang", "die"); anything else behaves like :func:`exact`."""
+    "str", "memory", "hang", "die", "grader": the grader's own timeout, "huge": 1e39, beyond
+    float32); "np_true" returns ``numpy.True_``; anything else behaves like :func:`exact`."""
     if response == "raise":
         raise KeyError("no such key")
     if response == "memory":
@@ -75,7 +76,12 @@ def fails_by_command(response: str, gold: str) -> object:
         time.sleep(3600)
     if response == "die":
         os._exit(3)
-    returns = {"nan": float("nan"), "inf": float("-inf"), "none": None, "str": "1.0"}
+    if response == "np_true":
+        import numpy as np
+
+        return np.True_
+    returns = {"nan": float("nan"), "inf": float("-inf"), "none": None, "str": "1.0", "huge": 1e39}
+    returns["grader"] = RewardResult(0.0, "grader_timeout")
     if response in returns:
         return returns[response]
     return exact(response, gold)

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from reco_megatron.rewards.extract import answer_phrase, extract_final_answer, last_boxed
 from reco_megatron.rewards.math_reward import math_reward, math_reward_result
+from reco_megatron.rewards.types import GRADER_TIMEOUT, GRADER_TIMEOUT_ENV, RewardResult
 
 
 @pytest.mark.parametrize(
@@ -101,3 +102,13 @@ def test_garbage_gives_a_valid_score_without_raising(response: str, boxed: bool,
     text = f"\\boxed{{{response}}}" if boxed else response
     score = math_reward(text, gold)
     assert score in (0.0, 1.0)
+
+
+def test_a_grader_timeout_is_a_failure_not_a_wrong_answer(monkeypatch) -> None:
+    """math_verify answers "no match" when its own timeout fires; before, that scored as a
+    wrong answer (status ok) and no failure was counted."""
+    monkeypatch.setenv(GRADER_TIMEOUT_ENV, "1")
+    slow = r"\boxed{(x+1)^{400} - (x-1)^{400}}"
+    result = math_reward_result(slow, "(x+1)^{400} - (x-1)^{401}")
+    assert result == RewardResult(0.0, GRADER_TIMEOUT)
+    assert math_reward_result(r"\boxed{2}", "2") == RewardResult(1.0, "ok")  # fast ones agree

@@ -21,7 +21,7 @@ from reco_megatron.rewards.types import FAILURE_KINDS
 H = "tests.rewards._helpers"
 ROOT = Path(__file__).resolve().parents[2]
 
-KINDS = ["raise", "nan", "none", "str", "memory", "hang", "die"]
+KINDS = ["raise", "nan", "none", "str", "memory", "hang", "die", "grader", "huge"]
 """Responses that make ``fails_by_command`` fail, one per kind of FAILURE_KINDS."""
 
 
@@ -34,10 +34,13 @@ def test_each_kind_is_counted_and_logged_once(caplog) -> None:
         batch = pool.score(responses, ["a"] * len(responses))
     statuses = dict(zip(responses, batch.statuses, strict=False))
     expected = ["error", "nan", "none", "invalid", "memory", "timeout", "crash"]
+    expected += ["grader_timeout", "out_of_range"]
     assert [statuses[k] for k in KINDS] == expected
     assert statuses["inf"] == "nan" and statuses["a"] == "ok"
-    assert batch.scores == [0.0] * 8 + [1.0] + [0.0] * 7
+    n = len(KINDS)
+    assert batch.scores == [0.0] * (n + 1) + [1.0] + [0.0] * n
     assert sorted(batch.statuses) == sorted([*expected, *expected, "nan", "ok"])
+    assert batch.metrics["reward/grader_timeouts/sum"] == 2
     assert set(expected) == set(FAILURE_KINDS)  # the helper covers every kind
     for name in FAILURE_KINDS.values():
         logged = [r for r in caplog.records if f"failed ({name})" in r.getMessage()]
@@ -45,6 +48,21 @@ def test_each_kind_is_counted_and_logged_once(caplog) -> None:
     text = caplog.text
     assert "KeyError" in text and "returned nan" in text and "returned None" in text
     assert "returned '1.0'" in text and "exit code 3" in text and "over 1.5 s" in text
+    assert "returned 1e+39, beyond reward.max_abs_score=1e+06" in text
+
+
+def test_numpy_scalars_are_numbers() -> None:
+    """Before: ``numpy.True_`` was "not a number", so the start-up self-check refused the reward
+    (a traceback in the trainer)."""
+    cfg = RewardPoolConfig(reward=f"{H}:fails_by_command", num_workers=1, timeout_s=5)
+    with RewardPool(cfg) as pool:
+        batch = pool.score(["np_true"], ["a"])
+    assert (batch.scores, batch.statuses) == ([1.0], ["ok"])
+
+
+def test_grader_timeout_is_validated() -> None:
+    with pytest.raises(ValueError, match="whole number of seconds"):
+        RewardPoolConfig(grader_timeout_s=0)
 
 
 def test_max_failed_frac_is_validated() -> None:

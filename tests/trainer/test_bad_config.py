@@ -69,6 +69,9 @@ def _jsonl(path: Path, rows: list[object]) -> str:
         (["rollout.group_size=1"], "1", "group_size must be >= 2, got 1"),
         (["trainer.max_steps=-1"], "1", "max_steps must be an integer >= 0, got -1"),
         (["checkpoint.save_interval=-2"], "1", "save_interval must be an integer >= 0, got -2"),
+        # sanity ranges: accepted before, and lr=1e9 destroyed the model with exit 0
+        (["optimizer.lr=1e9"], "1", "optimizer.lr=1000000000.0 is outside [0, 0.01]"),
+        (["reward.num_workers=5000"], "1", "trainer.allow_out_of_range=[reward.num_workers]"),
     ],
 )
 def test_refused_before_compute(tmp_path, capsys, monkeypatch, overrides, world, expected) -> None:
@@ -161,3 +164,11 @@ def test_help_starts_with_a_usage_line(capsys) -> None:
     out = capsys.readouterr().out
     assert out.startswith("usage: python -m reco_megatron.train [CONFIG.yaml] [dotted.key=value")
     assert "rollout.group_size" in out
+
+
+def test_an_out_of_range_value_is_accepted_when_named() -> None:
+    from reco_megatron.config import load_config
+    from reco_megatron.trainer.config import TrainConfig
+
+    overrides = ["optimizer.lr=0.05", "trainer.allow_out_of_range=[optimizer.lr]"]
+    assert load_config(TrainConfig, "examples/tiny_cpu.yaml", overrides).optimizer.lr == 0.05

@@ -1,8 +1,9 @@
 """Training checkpoints: one room for save, load, integrity, resume, RNG states and megatron-core's
 dist_checkpointing across versions.
 
-``format`` (layout, errors, plain-JSON reads) <- ``integrity`` / ``rng`` / ``megatron_state`` /
-``collective`` <- ``save`` <- ``load`` <- ``resume``. Callers import from this package.
+``format`` (layout, errors, plain-JSON reads) <- ``safe_pickle`` (restricted unpickling) <-
+``integrity`` / ``rng`` / ``megatron_state`` / ``collective`` <- ``save`` <- ``load`` <-
+``resume``. Callers import from this package.
 """
 
 from reco_megatron.megatron.checkpoint.format import (
@@ -11,10 +12,13 @@ from reco_megatron.megatron.checkpoint.format import (
     CheckpointError,
     CheckpointSpaceError,
     DamagedCheckpointError,
+    LatestPointerError,
+    UnsafeCheckpointError,
     checkpoint_name,
     complete_checkpoints,
     latest_checkpoint,
     read_meta,
+    sft_checkpoint_name,
 )
 from reco_megatron.megatron.checkpoint.load import (
     check_compatible,
@@ -30,6 +34,8 @@ __all__ = [
     "CheckpointError",
     "CheckpointSpaceError",
     "DamagedCheckpointError",
+    "LatestPointerError",
+    "UnsafeCheckpointError",
     "check_compatible",
     "checkpoint_name",
     "complete_checkpoints",
@@ -39,5 +45,6 @@ __all__ = [
     "remove_partial_checkpoints",
     "resume_latest",
     "save_checkpoint",
+    "sft_checkpoint_name",
     "verify_checkpoint",
 ]

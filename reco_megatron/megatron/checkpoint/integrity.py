@@ -36,6 +36,7 @@ from typing import Any
 __all__ = [
     "ALGORITHM",
     "MANIFEST",
+    "chain",
     "directory_size",
     "file_crc32",
     "free_bytes",
@@ -46,6 +47,7 @@ __all__ = [
     "owner",
     "read_manifest",
     "save_failure_message",
+    "unlisted_files",
     "verify_owned",
     "write_durable",
 ]
@@ -154,6 +156,19 @@ def verify_owned(directory: str | Path, manifest: dict[str, Any], rank: int, wor
     return problems
 
 
+def unlisted_files(directory: str | Path, manifest: dict[str, Any]) -> list[str]:
+    """Problems (one line each) for files of ``directory`` that the manifest does not list:
+    a file added after the save, or a manifest entry removed to hide a change."""
+    root = Path(directory)
+    listed = set(manifest["files"])
+    return [
+        f"{root / name}: not in the manifest (a file was added after the save, or its entry "
+        "was removed)"
+        for name in list_files(root)
+        if name not in listed
+    ]
+
+
 def fsync_dir(path: str | Path) -> None:
     """fsync a directory, so the names created, renamed or removed in it are durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
@@ -182,7 +197,9 @@ def directory_size(path: str | Path) -> int:
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file()) if root.exists() else 0
 
 
-def _chain(exc: BaseException) -> Iterable[BaseException]:
+def chain(exc: BaseException) -> Iterable[BaseException]:
+    """``exc`` and everything it wraps: causes, contexts, and each rank's failure inside
+    torch's ``CheckpointException``."""
     seen: set[int] = set()
     todo = [exc]
     while todo:
@@ -201,7 +218,7 @@ def _chain(exc: BaseException) -> Iterable[BaseException]:
 
 def is_no_space(exc: BaseException) -> bool:
     """Whether ``exc`` (or anything it wraps, across ranks) is a full disk or quota."""
-    for e in _chain(exc):
+    for e in chain(exc):
         if isinstance(e, OSError) and e.errno in _NO_SPACE:
             return True
         if any(t in str(e) for t in _NO_SPACE_TEXT):

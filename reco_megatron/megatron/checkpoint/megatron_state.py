@@ -23,13 +23,22 @@ outlives a SIGKILLed trainer. :func:`save_model_and_optimizer` hands megatron a 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
+from reco_megatron.megatron.checkpoint.format import UnsafeCheckpointError
+from reco_megatron.megatron.checkpoint.safe_pickle import (
+    check_extra_state,
+    refusal_in,
+    restricted_loads,
+)
 from reco_megatron.megatron.compat import versions as compat
 from reco_megatron.utils.logging import get_logger
 
@@ -38,6 +47,7 @@ __all__ = [
     "init_optimizer_state",
     "load_model_and_optimizer",
     "save_model_and_optimizer",
+    "schedule_of_checkpoint",
     "shutdown_async_writer",
     "state_bytes",
     "untie_adam_steps",
@@ -113,6 +123,40 @@ def untie_adam_steps(optimizer: Any) -> int:
     return fixed
 
 
+_SCHEDULE_KEYS = ("max_lr", "min_lr")
+"""Values megatron's scheduler reads from each param group, which megatron's optimizer also
+uses to match saved param groups to the current ones on load."""
+
+
+@contextlib.contextmanager
+def schedule_of_checkpoint(
+    optimizer: Any | None, saved: dict[str, Any], current: dict[str, Any]
+) -> Iterator[None]:
+    """Load the optimizer under the param-group schedule values the checkpoint was saved with,
+    then put the run's own values back.
+
+    Megatron matches saved param groups to the current ones by a key that includes
+    ``max_lr`` and ``min_lr``; after a change of ``optimizer.lr`` no group matches and the
+    load fails (a ``KeyError`` of the group key). ``saved``/``current``: the scheduler state
+    of the checkpoint / of this run; a group whose value equals the run's scheduler value is
+    given the checkpoint's for the load."""
+    if optimizer is None:
+        yield
+        return
+    groups = [g for opt in _inner_optimizers(optimizer) for g in opt.optimizer.param_groups]
+    own = [{k: g[k] for k in _SCHEDULE_KEYS if k in g} for g in groups]
+    for group, values in zip(groups, own, strict=True):
+        for key, value in values.items():
+            if key in saved and value == current.get(key):
+                group[key] = saved[key]
+    try:
+        yield
+    finally:
+        groups = [g for opt in _inner_optimizers(optimizer) for g in opt.optimizer.param_groups]
+        for group, values in zip(groups, own, strict=True):
+            group.update(values)
+
+
 def save_model_and_optimizer(
     checkpoint_dir: str, model: Any, optimizer: Any | None = None, **save_kwargs: Any
 ) -> None:
@@ -142,7 +186,9 @@ def load_model_and_optimizer(
     """Load what :func:`save_model_and_optimizer` wrote into ``model`` (and ``optimizer``).
 
     The model may use a different TP/PP layout than the save (dist_checkpointing reshards);
-    the distributed optimizer state must be loaded at the DP size it was saved with.
+    the distributed optimizer state must be loaded at the DP size it was saved with. Every
+    pickle in the checkpoint is read with an allow-list (``safe_pickle``): one that names
+    code raises :class:`~reco_megatron.megatron.checkpoint.format.UnsafeCheckpointError`.
     """
     chunks = _chunks(model)
     model_states = _model_states(model)
@@ -152,9 +198,16 @@ def load_model_and_optimizer(
         template["optimizer"] = optimizer.sharded_state_dict(
             _merged(model_states), is_loading=True, metadata=DISTRIB_OPTIM_METADATA
         )
-    with torch.no_grad():
-        loaded = compat.dist_checkpointing_load(template, checkpoint_dir)
+    with torch.no_grad(), restricted_loads(checkpoint_dir):
+        try:
+            loaded = compat.dist_checkpointing_load(template, checkpoint_dir)
+        except (Exception, CheckpointException) as exc:  # a BaseException: see save
+            refusal = refusal_in(exc)
+            if refusal is not None:
+                raise UnsafeCheckpointError(refusal) from None
+            raise
         for key, chunk in zip(model_states, chunks, strict=True):
+            check_extra_state(loaded[key], checkpoint_dir)  # before TE unpickles it
             chunk.load_state_dict(loaded[key], strict=strict)
         if optimizer is not None:
             optimizer.load_state_dict(loaded["optimizer"])

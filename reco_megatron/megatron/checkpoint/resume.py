@@ -3,8 +3,10 @@
 :func:`resume_latest` loads ``<root>/latest``; when a file of it fails its checksum it either
 refuses, naming the file and the previous complete checkpoint (``on_damaged="stop"``), or
 moves the damaged checkpoint aside to ``damaged-step_*`` and goes back one checkpoint at a
-time (``on_damaged="fallback"``). :func:`remove_partial_checkpoints` deletes the
-``.tmp-step_*`` directories that a save cut short by SIGKILL or a full disk left behind.
+time (``on_damaged="fallback"``); the fallback also covers a damaged or missing ``latest``.
+:func:`remove_partial_checkpoints` deletes the ``.tmp-*`` directories that a save cut short
+by SIGKILL, a second Ctrl-C or a full disk left behind, and the ``.pruned-*`` ones of an
+interrupted prune.
 """
 
 from __future__ import annotations
@@ -18,7 +20,11 @@ from reco_megatron.megatron.checkpoint import integrity
 from reco_megatron.megatron.checkpoint.collective import barrier, rank
 from reco_megatron.megatron.checkpoint.format import (
     PREFIX,
+    PRUNED_PREFIX,
+    SFT_PREFIX,
     DamagedCheckpointError,
+    LatestPointerError,
+    checkpoint_order,
     complete_checkpoints,
     latest_checkpoint,
 )
@@ -38,58 +44,104 @@ def resume_latest(
     When it is damaged: ``on_damaged="stop"`` raises :class:`DamagedCheckpointError` naming
     the file and the previous complete checkpoint; ``"fallback"`` renames the damaged one to
     ``damaged-step_*`` (kept for inspection, never loaded or pruned), points ``latest`` at the
-    previous complete checkpoint and tries it, down to the oldest.
-    Returns ``(checkpoint loaded, trainer state)``.
+    previous complete checkpoint and tries it, down to the oldest. A ``latest`` that is
+    missing while complete checkpoints exist, empty, not a checkpoint name or naming one that
+    is gone raises :class:`LatestPointerError` (one line) with ``"stop"``; with
+    ``"fallback"`` the newest complete checkpoint that verifies is loaded and ``latest``
+    rewritten. Returns ``(checkpoint loaded, trainer state)``.
     """
     root = Path(root)
-    path = latest_checkpoint(root)
+    path, pointed = _start_point(root, on_damaged)
     while path is not None:
         try:
-            return path, load_checkpoint(path, engine)
+            state = load_checkpoint(path, engine)
         except DamagedCheckpointError as exc:
-            older = [p for p in complete_checkpoints(root) if p.name < path.name]
-            if not older:
-                raise DamagedCheckpointError(
-                    f"{exc}. There is no older complete checkpoint under {root}: restore the "
-                    "file from a copy, or start over with checkpoint.resume=false"
-                ) from exc
-            previous = older[-1]
-            if on_damaged != "fallback":
-                raise DamagedCheckpointError(
-                    f"{exc}. The previous complete checkpoint is {previous}: resume from it "
-                    "with checkpoint.on_damaged=fallback (moves the damaged one aside to "
-                    f"{root / ('damaged-' + path.name)}), or restore the file from a copy"
-                ) from exc
-            aside = root / f"damaged-{path.name}"
-            n = 1
-            while aside.exists():
-                aside, n = root / f"damaged-{path.name}.{n}", n + 1
-            if rank() == 0:
-                os.replace(path, aside)
-                integrity.write_durable(root / "latest", previous.name + "\n")
-            barrier()
-            logger.warning(
-                "%s; moved it to %s and falling back to %s (checkpoint.on_damaged=fallback)",
-                exc,
-                aside.name,
-                previous,
-            )
-            path = previous
+            path = _fall_back(root, path, exc, on_damaged)
+            continue
+        if path != pointed and rank() == 0:  # the pointer was damaged: name what was loaded
+            integrity.write_durable(root / "latest", path.name + "\n")
+        barrier()
+        return path, state
     return None
 
 
-def remove_partial_checkpoints(root: str | Path) -> list[str]:
+def _start_point(root: Path, on_damaged: str) -> tuple[Path | None, Path | None]:
+    """``(where to start, what latest names)``: the checkpoint ``latest`` names (both the
+    same); with ``on_damaged="fallback"`` the newest complete one when ``latest`` is damaged
+    or missing (then ``latest`` names nothing usable: None)."""
+    found = complete_checkpoints(root)
+    try:
+        path = latest_checkpoint(root)
+        if path is not None or not found:
+            return path, path
+        problem = f"{root / 'latest'} is missing but {len(found)} complete checkpoint(s) exist"
+    except LatestPointerError as exc:
+        problem = str(exc)
+    if not found:
+        raise LatestPointerError(
+            f"{problem}, and there is no complete checkpoint under {root}: delete 'latest' to "
+            "start over, or restore the checkpoints"
+        )
+    newest = found[-1]
+    if on_damaged != "fallback":
+        raise LatestPointerError(
+            f"{problem}. The newest complete checkpoint is {newest}: resume from it with "
+            f"checkpoint.on_damaged=fallback, or write {newest.name!r} into {root / 'latest'}"
+        )
+    logger.warning(
+        "%s; resuming from the newest complete checkpoint, %s (checkpoint.on_damaged=fallback)",
+        problem,
+        newest.name,
+    )
+    return newest, None
+
+
+def _fall_back(root: Path, path: Path, exc: DamagedCheckpointError, on_damaged: str) -> Path:
+    """The checkpoint before the damaged ``path`` (which is moved aside), or raise."""
+    older = [p for p in complete_checkpoints(root) if checkpoint_order(p) < checkpoint_order(path)]
+    if not older:
+        raise DamagedCheckpointError(
+            f"{exc}. There is no older complete checkpoint under {root}: restore the "
+            "file from a copy, or start over with checkpoint.resume=false"
+        ) from exc
+    previous = older[-1]
+    if on_damaged != "fallback":
+        raise DamagedCheckpointError(
+            f"{exc}. The previous complete checkpoint is {previous}: resume from it "
+            "with checkpoint.on_damaged=fallback (moves the damaged one aside to "
+            f"{root / ('damaged-' + path.name)}), or restore the file from a copy"
+        ) from exc
+    aside = root / f"damaged-{path.name}"
+    n = 1
+    while aside.exists():
+        aside, n = root / f"damaged-{path.name}.{n}", n + 1
+    if rank() == 0:
+        os.replace(path, aside)
+        integrity.write_durable(root / "latest", previous.name + "\n")
+    barrier()
+    logger.warning(
+        "%s; moved it to %s and falling back to %s (checkpoint.on_damaged=fallback)",
+        exc,
+        aside.name,
+        previous,
+    )
+    return previous
+
+
+def remove_partial_checkpoints(root: str | Path, *, quiet: bool = False) -> list[str]:
     """Remove the ``.tmp-step_*`` directories (and ``latest.tmp``) that a save interrupted by
     a crash, SIGKILL or full disk left under ``root``; returns their names. Call it at start,
-    before any rank saves (every rank may call it: removal ignores races)."""
+    before any rank saves (every rank may call it: removal ignores races). ``quiet``: the
+    caller reports the names itself."""
     root = Path(root)
-    stale = sorted(root.glob(f".tmp-{PREFIX}*")) + sorted(root.glob("latest.tmp"))
+    stale = sorted(root.glob(f".tmp-{PREFIX}*")) + sorted(root.glob(f".tmp-{SFT_PREFIX}*"))
+    stale += sorted(root.glob(f"{PRUNED_PREFIX}*")) + sorted(root.glob("latest.tmp"))
     for path in stale:
         if path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
         else:
             path.unlink(missing_ok=True)
-    if stale:
+    if stale and not quiet:
         logger.warning(
             "removed %d partial checkpoint(s) left by an interrupted save: %s",
             len(stale),

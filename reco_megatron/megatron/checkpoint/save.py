@@ -16,9 +16,12 @@ needed space, path) and removes its partial ``.tmp-step_*``; so does
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import stat
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -36,10 +39,12 @@ from reco_megatron.megatron.checkpoint.collective import (
 )
 from reco_megatron.megatron.checkpoint.format import (
     FORMAT_VERSION,
-    PREFIX,
+    PRUNED_PREFIX,
+    SFT_PREFIX,
     CheckpointError,
     CheckpointSpaceError,
     checkpoint_name,
+    complete_checkpoints,
 )
 from reco_megatron.megatron.checkpoint.megatron_state import save_model_and_optimizer, state_bytes
 from reco_megatron.megatron.checkpoint.rng import rng_state
@@ -64,23 +69,51 @@ def layout(engine: Any) -> dict[str, Any]:
 
 
 def save_checkpoint(
-    root: str | Path, step: int, engine: Any, trainer_state: dict[str, Any], keep_last: int = 3
+    root: str | Path,
+    step: int,
+    engine: Any,
+    trainer_state: dict[str, Any],
+    keep_last: int = 3,
+    *,
+    name: str | None = None,
+    group_writable: bool = False,
 ) -> Path:
     """Collective: every rank calls it. Returns the final checkpoint directory.
+
+    ``name``: the directory name (default ``step_<step>``; the SFT warm-up passes
+    ``sft_<n>``). ``keep_last``: complete checkpoints kept besides ``step_00000000`` (the end
+    of the SFT warm-up, never pruned; 0 keeps all). Files and directories are written
+    without group/other write permission unless ``group_writable`` (``checkpoint.
+    group_writable``): a checkpoint is read by code that trusts it to be what was saved.
 
     Raises :class:`CheckpointSpaceError` on every rank when the disk is full (the partial
     directory is removed, ``latest`` is untouched) and :class:`CheckpointError` for any other
     failure to write.
     """
     root = Path(root)
-    final = root / checkpoint_name(step)
-    tmp = root / f".tmp-{checkpoint_name(step)}"
-    if rank() == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        (tmp / "dist").mkdir(parents=True)
-        (tmp / "rng").mkdir()
-    barrier()
+    final = root / (name or checkpoint_name(step))
+    tmp = root / f".tmp-{final.name}"
+    with _umask(0 if group_writable else 0o022):
+        if rank() == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            if not group_writable:
+                _not_group_writable(root)
+            shutil.rmtree(tmp, ignore_errors=True)
+            (tmp / "dist").mkdir(parents=True)
+            (tmp / "rng").mkdir()
+        barrier()
+        return _save(root, tmp, final, step, engine, trainer_state, keep_last)
+
+
+def _save(
+    root: Path,
+    tmp: Path,
+    final: Path,
+    step: int,
+    engine: Any,
+    trainer_state: dict[str, Any],
+    keep_last: int,
+) -> Path:
     error: BaseException | None = None
     try:
         save_model_and_optimizer(str(tmp / "dist"), engine.unwrapped(), engine.optimizer)
@@ -116,6 +149,26 @@ def save_checkpoint(
         )
         raise (CheckpointSpaceError if no_space else CheckpointError)(message)
     return final
+
+
+@contextlib.contextmanager
+def _umask(clear: int) -> Iterator[None]:
+    """Also clear the permission bits ``clear`` from everything created inside (the umask is
+    process-wide: it covers dist_checkpointing's writer threads too)."""
+    previous = os.umask(0)
+    os.umask(previous | clear)
+    try:
+        yield
+    finally:
+        os.umask(previous)
+
+
+def _not_group_writable(path: Path) -> None:
+    """Drop group/other write permission from ``path`` when this user owns it."""
+    with contextlib.suppress(OSError):
+        st = path.stat()
+        if st.st_uid == os.getuid() and st.st_mode & 0o022:
+            path.chmod(stat.S_IMODE(st.st_mode) & ~0o022)
 
 
 def _layout_dp(engine: Any) -> int:
@@ -162,8 +215,10 @@ def _finish_save(
     integrity.write_durable(tmp / integrity.MANIFEST, text)
     for sub in ("dist", "rng", "."):
         integrity.fsync_dir(tmp / sub)
-    if final.exists():
-        shutil.rmtree(final)
+    if final.exists():  # a save of this step whose 'latest' was never written: replace it
+        doomed = root / f"{PRUNED_PREFIX}{final.name}"
+        os.replace(final, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
     os.replace(tmp, final)
     integrity.fsync_dir(root)
     integrity.write_durable(root / "latest", final.name + "\n")
@@ -172,8 +227,19 @@ def _finish_save(
 
 
 def _prune(root: Path, keep_last: int) -> None:
-    if keep_last <= 0:
-        return
-    done = sorted(p for p in root.glob(f"{PREFIX}*") if (p / "meta.json").exists())
-    for old in done[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+    """Remove the complete checkpoints beyond the newest ``keep_last``, never
+    ``step_00000000`` (the end of the SFT warm-up: the base a run is compared with), and the
+    ``sft_*`` checkpoints once ``step_00000000`` exists (the warm-up is done). Each is
+    renamed to ``.pruned-*`` first (atomic), so an interruption never leaves a half-removed
+    checkpoint under its own name; ``resume.remove_partial_checkpoints`` clears leftovers."""
+    done = [p for p in complete_checkpoints(root) if p.name != checkpoint_name(0)]
+    base_saved = (root / checkpoint_name(0) / "meta.json").exists()
+    doomed_sft = [p for p in done if base_saved and p.name.startswith(SFT_PREFIX)]
+    kept = done[-keep_last:] if keep_last > 0 else done
+    for old in [p for p in done if p not in kept or p in doomed_sft]:
+        doomed = root / f"{PRUNED_PREFIX}{old.name}"
+        try:
+            os.replace(old, doomed)
+        except OSError:
+            continue
+        shutil.rmtree(doomed, ignore_errors=True)
