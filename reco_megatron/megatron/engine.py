@@ -26,7 +26,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,7 @@ from reco_megatron.megatron.distributed import ParallelConfig
 from reco_megatron.megatron.engine_metrics import reduce_metrics
 from reco_megatron.megatron.loss_layer import (
     LossContext,
+    denominator_share,
     make_forward_step,
     policy_loss_func,
     sft_loss_func,
@@ -50,6 +51,7 @@ from reco_megatron.megatron.model import (
     transformer_config,
 )
 from reco_megatron.megatron.optimizer import OptimConfig, build_optimizer, current_lr, wrap_ddp
+from reco_megatron.megatron.routing import MoERouting
 from reco_megatron.parallel.vocab_stats_kernels import IMPLEMENTATIONS
 from reco_megatron.utils.logging import get_logger
 
@@ -73,7 +75,18 @@ class UpdateConfig:
     block, so the logits never exist whole (``parallel.linear_stats``; same losses and
     gradients as the unfused path). Off by default until measured faster on a GPU."""
 
+    routing_replay: Literal["off", "record", "replay"] = "off"
+    """Mixture-of-experts models: ``record`` has the rollout engine return each token's
+    experts and logs how often the trainer's routers choose others (``routing_mismatch``);
+    ``replay`` also makes the old-policy pass and the updates use the rollout's experts
+    (docs/megatron-engine.md, "Routing replay"); ``off`` neither."""
+
     def __post_init__(self) -> None:
+        if self.routing_replay not in ("off", "record", "replay"):
+            raise ValueError(
+                "update.routing_replay must be 'off', 'record' or 'replay', got "
+                f"{self.routing_replay!r}"
+            )
         if not isinstance(self.fused_output_layer, bool):
             raise ValueError(
                 f"update.fused_output_layer must be true or false, got {self.fused_output_layer!r}"
@@ -126,6 +139,19 @@ class ReCoEngine:
         if loss.kl_coef > 0:
             self.ref_model = self._build_chunks()
             self.sync_reference()
+        self.routing: MoERouting | None = None
+        """The policy's routers (mixture-of-experts models): replay, records, metrics."""
+        if model.moe is not None:
+            self.routing = MoERouting(
+                self.unwrapped(),
+                num_layers=model.num_layers,
+                sequence_parallel=parallel.sequence_parallel,
+            )
+        elif update.routing_replay != "off":
+            raise ValueError(
+                f"update.routing_replay={update.routing_replay!r} needs a mixture-of-experts "
+                "model (model.moe); set it to 'off' for a dense model"
+            )
         self.ctx = LossContext(
             loss=loss,
             vocab_size=model.vocab_size,
@@ -177,37 +203,61 @@ class ReCoEngine:
         return ps.is_pipeline_last_stage(ignore_virtual=True)
 
     # ------------------------------------------------------------------ schedules
-    def _run(self, model: list[Any], batch: RolloutBatch, loss_func: Any, forward_only: bool):
+    def _run(self, model, batch, loss_func, forward_only, *, replay=False, measure=False):
+        """Megatron's schedule over the micro-batches of ``batch``. For the policy of a
+        mixture-of-experts model the data iterators also set each micro-batch's routing
+        (``replay``: the rollout's experts; ``measure``: record the free choices) and, when
+        training, the auxiliary loss's coefficient (:mod:`reco_megatron.megatron.routing`)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         mbs = micro_batches(batch.to(self.device), self.parallel.micro_batch_size)
         data: Any = iter(mbs)
         if len(model) > 1:  # virtual pipeline: one iterator per chunk
             data = [iter(mbs) for _ in model]
-        return get_forward_backward_func()(
-            forward_step_func=make_forward_step(loss_func, self.ctx, self.device),
-            data_iterator=data,
-            model=model,
-            num_microbatches=len(mbs),
-            seq_length=batch.seq_length,
-            micro_batch_size=self.parallel.micro_batch_size,
-            forward_only=forward_only,
-        )
+        routing = self.routing if model is self.model else None
+        if routing is not None:
+            sft = loss_func is sft_loss_func
+            share = [
+                mb.loss_mask.sum() if sft else denominator_share(mb, self.loss_cfg) for mb in mbs
+            ]
+            data = routing.micro_batches(
+                mbs,
+                len(model),
+                replay=replay,
+                measure=measure,
+                train=not forward_only,
+                shares=share,
+            )
+        try:
+            return get_forward_backward_func()(
+                forward_step_func=make_forward_step(loss_func, self.ctx, self.device),
+                data_iterator=data,
+                model=model,
+                num_microbatches=len(mbs),
+                seq_length=batch.seq_length,
+                micro_batch_size=self.parallel.micro_batch_size,
+                forward_only=forward_only,
+            )
+        finally:
+            if routing is not None:
+                routing.end_pass()
 
     def statistics(self, batch: RolloutBatch, reference: bool = False) -> dict[str, torch.Tensor]:
         """Forward-only per-token ``logprob``, ``sum_p2``, ``entropy`` ``[B, S]`` on the CPU
         (last stage; ``{}`` elsewhere) of the current policy, or of the reference model."""
         return {k: v.cpu() for k, v in self._statistics(batch, reference).items()}
 
-    def _statistics(self, batch: RolloutBatch, reference: bool) -> dict[str, torch.Tensor]:
-        """:meth:`statistics` on ``self.device``."""
+    def _statistics(
+        self, batch: RolloutBatch, reference: bool, **routing: bool
+    ) -> dict[str, torch.Tensor]:
+        """:meth:`statistics` on ``self.device`` (``routing``: see :meth:`_run`)."""
         model = self.ref_model if reference else self.model
         if model is None:
             raise RuntimeError("no reference model: it exists only when loss.kl_coef > 0")
         for chunk in model:
             chunk.eval()
         with torch.no_grad():
-            parts = self._run(model, batch, statistics_func, forward_only=True)
+            parts = self._run(model, batch, statistics_func, forward_only=True, **routing)
         for chunk in self.model:
             chunk.train()
         if not self.is_last_stage:
@@ -222,8 +272,11 @@ class ReCoEngine:
         metrics: dict[str, torch.Tensor] = {}
         batch = batch.to(self.device)
         start = time.perf_counter()
-        stats = self._statistics(batch, reference=False)
+        routing = self._routing_for(batch)
+        stats = self._statistics(batch, reference=False, **routing)
         elapsed = time.perf_counter() - start
+        if routing.get("measure") and self.routing is not None:
+            metrics.update(self.routing.mismatch())
         if not stats:
             return batch.to("cpu"), {"time_old_logprob": elapsed}
         mask = batch.loss_mask
@@ -252,9 +305,16 @@ class ReCoEngine:
             ref_logprobs=ref,
             weights=weights,
         )
-        out = reduce_metrics([metrics], weight_key="num_response_tokens/sum")
+        out = MoERouting.mismatch_ratios(reduce_metrics([metrics], "num_response_tokens/sum"))
         out["time_old_logprob"] = elapsed
         return prepared.to("cpu"), out
+
+    def _routing_for(self, batch: RolloutBatch) -> dict[str, bool]:
+        """How the policy's routers treat ``batch``: ``replay`` the rollout's experts and
+        ``measure`` the mismatch (the old-policy pass measures; updates only replay)."""
+        if self.routing is None:
+            return {}
+        return self.routing.pass_options(self.update.routing_replay, batch)
 
     def grads_finite(self) -> bool:
         """Whether every gradient on every rank is finite (collective over the world)."""
@@ -285,10 +345,12 @@ class ReCoEngine:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         start = time.perf_counter()
-        parts = self._run(self.model, minibatch, policy_loss_func, forward_only=False)
+        replay = self._routing_for(minibatch).get("replay", False)
+        parts = self._run(self.model, minibatch, policy_loss_func, False, replay=replay)
         middle = time.perf_counter()
         metrics = reduce_metrics(parts if self.is_last_stage else [], weight_key="num_tokens/sum")
         metrics = self.broadcast_metrics(metrics)
+        metrics.update(self.routing.step_metrics() if self.routing is not None else {})
         finite = self.grads_finite()
         decision = guard(metrics, finite) if guard is not None else ("ok" if finite else "skip")
         grad_norm = None
@@ -324,6 +386,7 @@ class ReCoEngine:
             for group, value in zip(self.optimizer.param_groups, saved, strict=True):
                 group["lr"] = value
         metrics = reduce_metrics(parts if self.is_last_stage else [], weight_key="num_tokens/sum")
+        metrics.update(self.routing.step_metrics() if self.routing is not None else {})
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics["update_skipped"] = 0.0 if update_ok else 1.0
         return metrics
