@@ -51,10 +51,7 @@ def _body(rank, world_size, tp, pp, ep, reference, routed=None, distributed_opti
         return _moe.full_params(engine)
     _moe.load_full(engine, reference)
     batch = _reco.rollout_batch()
-    if routed is None and world_size == 1:
-        own = _moe.own_routing(engine, batch)
-    else:
-        own = None
+    own = _moe.own_routing(engine, batch) if routed is None and world_size == 1 else None
     batch = _reco.dp_share(replace(batch, routed_experts=routed))
     prepared, prep = engine.prepare(batch)
     grads = []
