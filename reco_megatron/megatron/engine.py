@@ -81,6 +81,11 @@ class UpdateConfig:
     ``replay`` also makes the old-policy pass and the updates use the rollout's experts
     (docs/megatron-engine.md, "Routing replay"); ``off`` neither."""
 
+    measure_unreplayed: bool = False
+    """With ``routing_replay: replay``: also run the old-policy pass with the model's own
+    routing to log ``logprob_mismatch_free``, the rollout/trainer mismatch replay removes
+    (one more forward-only pass per step)."""
+
     def __post_init__(self) -> None:
         if self.routing_replay not in ("off", "record", "replay"):
             raise ValueError(
@@ -277,6 +282,9 @@ class ReCoEngine:
         elapsed = time.perf_counter() - start
         if routing.get("measure") and self.routing is not None:
             metrics.update(self.routing.mismatch())
+        free = None
+        if routing.get("replay") and self.update.measure_unreplayed:
+            free = self._statistics(batch, reference=False)
         if not stats:
             return batch.to("cpu"), {"time_old_logprob": elapsed}
         mask = batch.loss_mask
@@ -298,6 +306,9 @@ class ReCoEngine:
             diff = (batch.rollout_logprobs.to(old.dtype) - old).abs() * mask
             metrics["logprob_mismatch/wsum"] = diff.sum()
             metrics["logprob_mismatch_max/max"] = diff.max()
+            if free is not None:
+                diff = (batch.rollout_logprobs.to(old.dtype) - free["logprob"]).abs() * mask
+                metrics["logprob_mismatch_free/wsum"] = diff.sum()
         prepared = replace(
             batch,
             old_logprobs=old,

@@ -11,6 +11,7 @@ fails only when the parallel computation differs.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -26,6 +27,20 @@ from reco_megatron.megatron.optimizer import OptimConfig
 from tests.megatron import _reco
 
 EXPERTS, TOPK = 8, 2
+LENGTH = _reco.LENGTH + 1  # S = L - 1 = 14 positions: a multiple of TP 2 (sequence parallel)
+
+
+def rollout_batch() -> Any:
+    """``_reco.rollout_batch()`` with one more padding column (L = 15, S = 14), so the
+    sequence divides over 2 sequence-parallel ranks."""
+    batch = _reco.rollout_batch()
+    b = batch.num_sequences
+    return replace(
+        batch,
+        tokens=torch.cat([batch.tokens, torch.zeros(b, 1, dtype=batch.tokens.dtype)], dim=1),
+        response_mask=torch.cat([batch.response_mask, torch.zeros(b, 1)], dim=1),
+        rollout_logprobs=torch.cat([batch.rollout_logprobs, torch.zeros(b, 1)], dim=1),
+    )
 
 
 def model_config(**moe: Any) -> ModelConfig:

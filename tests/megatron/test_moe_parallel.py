@@ -50,7 +50,7 @@ def _body(rank, world_size, tp, pp, ep, reference, routed=None, distributed_opti
     if reference is None:
         return _moe.full_params(engine)
     _moe.load_full(engine, reference)
-    batch = _reco.rollout_batch()
+    batch = _moe.rollout_batch()
     own = _moe.own_routing(engine, batch) if routed is None and world_size == 1 else None
     batch = _reco.dp_share(replace(batch, routed_experts=routed))
     prepared, prep = engine.prepare(batch)
@@ -95,7 +95,7 @@ def single(reference_weights) -> dict:
 
 
 def _old_logprobs(results: list[dict]) -> torch.Tensor:
-    full = torch.zeros(_reco.GROUPS * _reco.GROUP, _reco.LENGTH - 1)
+    full = torch.zeros(_reco.GROUPS * _reco.GROUP, _moe.LENGTH - 1)
     for res in results:
         if res["old"] is not None:
             rows, old = res["old"]
@@ -200,7 +200,7 @@ def _aux_body(rank, world_size, reference, aggregation):
     engine.loss_cfg = LossConfig.preset("reco", kl_coef=0.0, aggregation=aggregation)
     engine.ctx = replace(engine.ctx, loss=engine.loss_cfg)
     _moe.load_full(engine, reference)
-    batch = _reco.rollout_batch()
+    batch = _moe.rollout_batch()
     batch = replace(batch, advantages=torch.zeros_like(batch.advantages))
     prepared, _ = engine.prepare(batch)
     inputs: dict[int, list[torch.Tensor]] = {}
