@@ -15,6 +15,14 @@ One function is wrapped: the all-to-all dispatcher passes its split sizes throug
 arrays and returns anything else unchanged; a CPU tensor then reaches
 ``all_to_all_single(output_split_sizes=...)``, which takes a sequence of ints, not a tensor.
 The wrapper gives host tensors the conversion CUDA tensors get.
+
+With expert tensor parallelism (the dispatcher's TP group larger than 1) the dispatcher
+gathers and reduce-scatters *uneven* token counts over the expert-TP group
+(``tensor_parallel.mappings._gather_along_first_dim`` / ``_reduce_scatter_along_first_dim``
+with split sizes): NCCL takes tensors of different sizes there, gloo does not. On CPU the
+uneven gather pads every part to the largest and cuts the result, and the uneven
+reduce-scatter is an all-reduce of which each rank keeps its slice (the same sums); the even
+cases are untouched.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import functools
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from reco_megatron.megatron.compat.cpu_patches import Patch, proxy_modules
 
@@ -53,10 +62,52 @@ def _split_sizes_to_host(original: Any) -> Any:
     return move
 
 
+def _uneven_gather(original: Any) -> Any:
+    @functools.wraps(original)
+    def gather(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group is None or group.size() == 1:
+            return original(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(n) for n in output_split_sizes]
+        padded = input_.new_zeros((max(sizes), *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        parts = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(parts, padded, group=group)
+        return torch.cat([part[:n] for part, n in zip(parts, sizes, strict=True)])
+
+    return gather
+
+
+def _uneven_reduce_scatter(original: Any) -> Any:
+    @functools.wraps(original)
+    def reduce_scatter(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group is None or group.size() == 1:
+            return original(input_, group, input_split_sizes, use_global_buffer)
+        total = input_.contiguous().clone()
+        dist.all_reduce(total, group=group)
+        sizes = [int(n) for n in input_split_sizes]
+        return torch.split(total, sizes, dim=0)[group.rank()].contiguous()
+
+    return reduce_scatter
+
+
 def patch_moe_modules() -> list[Patch]:
     """Apply the proxies of :data:`MOE_PROXIED_MODULES` and the split-size conversion;
     returns the patches made."""
     out = proxy_modules(MOE_PROXIED_MODULES)
+    from megatron.core.tensor_parallel import mappings
+
+    for name, wrap, what in (
+        ("_gather_along_first_dim", _uneven_gather, "all-gather"),
+        ("_reduce_scatter_along_first_dim", _uneven_reduce_scatter, "reduce-scatter"),
+    ):
+        setattr(mappings, name, wrap(getattr(mappings, name)))
+        out.append(
+            Patch(
+                f"{mappings.__name__}.{name}",
+                f"the MoE dispatcher's uneven {what} over the expert-TP group (split sizes): "
+                "gloo needs equal sizes; padded gather / all-reduce and slice on CPU",
+            )
+        )
     try:
         from megatron.core.transformer.moe import token_dispatcher
     except ImportError:  # a megatron-core without MoE
