@@ -30,10 +30,10 @@ EXPERTS, TOPK = 8, 2
 LENGTH = _reco.LENGTH + 1  # S = L - 1 = 14 positions: a multiple of TP 2 (sequence parallel)
 
 
-def rollout_batch() -> Any:
-    """``_reco.rollout_batch()`` with one more padding column (L = 15, S = 14), so the
+def rollout_batch(seed: int = 3) -> Any:
+    """``_reco.rollout_batch(seed)`` with one more padding column (L = 15, S = 14), so the
     sequence divides over 2 sequence-parallel ranks."""
-    batch = _reco.rollout_batch()
+    batch = _reco.rollout_batch(seed)
     b = batch.num_sequences
     return replace(
         batch,
