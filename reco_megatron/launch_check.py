@@ -35,10 +35,13 @@ class Layout:
     """Data parallel size: what is left of the world."""
     world: int
     """Processes in total (nodes x processes per node)."""
+    ep: int = 1
+    """Expert parallel size (mixture-of-experts models; carved out of TP x CP x DP)."""
 
     def line(self) -> str:
-        """The one-line summary the scripts print and parse."""
-        return f"TP={self.tp} PP={self.pp} CP={self.cp} DP={self.dp} WORLD={self.world}"
+        """The one-line summary the scripts print and parse (``EP=`` only when > 1)."""
+        ep = f" EP={self.ep}" if self.ep > 1 else ""
+        return f"TP={self.tp} PP={self.pp} CP={self.cp} DP={self.dp}{ep} WORLD={self.world}"
 
 
 def check_layout(
@@ -53,8 +56,9 @@ def check_layout(
 
     Raises ``ValueError`` (the message says what to change) when: a process count is not
     positive; more processes per node than GPUs; TP larger than one node (tensor parallelism
-    needs NVLink); the world size not divisible by TP x PP x CP; the model's heads or layers
-    not divisible by TP / PP. Raises :class:`ConfigError` for an invalid config.
+    needs NVLink); the world size not divisible by TP x PP x CP; EP x expert-TP not dividing
+    the ranks of a pipeline stage; the model's heads, layers or experts not divisible by TP /
+    PP / EP. Raises :class:`ConfigError` for an invalid config.
     """
     from reco_megatron.trainer.config import TrainConfig
 
@@ -86,7 +90,7 @@ def check_layout(
         )
     dp = par.data_parallel_size(world)  # raises with the fix when it does not divide
     par.validate_for_model(cfg.model, cfg.model.num_layers, on_gpu=on_gpu)
-    return Layout(tp=tp, pp=pp, cp=cp, dp=dp, world=world)
+    return Layout(tp=tp, pp=pp, cp=cp, dp=dp, world=world, ep=par.expert_model_parallel_size)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

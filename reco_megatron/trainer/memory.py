@@ -19,6 +19,13 @@ activations, sequence parallelism, flash attention and no recomputation:
 ``s * b * (10 h + 4 kv + 6 F) / (TP * CP)`` bytes per layer, plus fp32 logits and their
 gradient on the last stage. Two numbers are assumptions to confirm on the first GPU run
 (:data:`VLLM_OTHER_BYTES`, :data:`CONTEXT_BYTES`).
+
+Mixture-of-experts models (``model.moe``): the routed experts are split over EP x expert-TP
+ranks (and PP), everything else over TP (and PP); the distributed optimizer shards the
+experts' Adam state over their own data-parallel group, ``TP x CP x DP / (EP x expert-TP)``
+ranks, the rest over DP. A MoE layer's MLP term is ``k (4 h + 6 F_e / expert-TP) + 8 N``
+per token (each token's k copies dispatched in and out, the experts' SwiGLU, fp32 router
+logits and probabilities) in place of ``6 F``: an estimate, like the dense one.
 """
 
 from __future__ import annotations
@@ -83,6 +90,17 @@ class ColocationBudget:
         }
 
 
+def parameter_counts(model: ModelConfig) -> tuple[int, int]:
+    """``(dense, expert)``: parameters outside and inside the routed experts (whole model)."""
+    dense = expert = 0
+    for name, shape in hf_shapes(model).items():
+        if ".mlp.experts." in name:
+            expert += math.prod(shape)
+        else:
+            dense += math.prod(shape)
+    return dense, expert
+
+
 def colocation_budget(
     model: ModelConfig,
     parallel: ParallelConfig,
@@ -97,14 +115,24 @@ def colocation_budget(
     """The estimate for one rank (the first pipeline stage when it is the fuller one)."""
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     cp, mb = parallel.context_parallel_size, parallel.micro_batch_size
-    n = sum(math.prod(shape) for shape in hf_shapes(model).values())
+    dense, experts = parameter_counts(model)
+    n = dense + experts
     p_bytes = DTYPE_BYTES[model.params_dtype]
-    shard = n / (tp * pp)
+    ep, etp = parallel.expert_model_parallel_size, parallel.expert_tensor_size()
+    expert_shard = experts / (ep * etp * pp)
+    shard = dense / (tp * pp) + expert_shard
     master = 0 if model.params_dtype == "float32" else 4  # fp32 copy of bf16 params
-    opt_shard = shard / data_parallel_size if distributed_optimizer else shard
+    opt_shard = shard
+    if distributed_optimizer:
+        expert_dp = max(tp * cp * data_parallel_size // (ep * etp), 1)
+        opt_shard = dense / (tp * pp) / data_parallel_size + expert_shard / expert_dp
     h, f = model.hidden_size, model.ffn_hidden_size
     kv = model.query_groups * model.head_dim
-    per_layer = max_seq_len * mb * (10 * h + 4 * kv + 6 * f) / (tp * cp)
+    mlp = 6 * f
+    if model.moe is not None:
+        moe = model.moe
+        mlp = moe.router_topk * (4 * h + 6 * moe.ffn_hidden_size / etp) + 8 * moe.num_experts
+    per_layer = max_seq_len * mb * (10 * h + 4 * kv + mlp) / (tp * cp)
     vp = parallel.virtual_pipeline_model_parallel_size or 1
     in_flight = model.num_layers * (1 + (pp - 1) / (pp * vp)) if pp > 1 else model.num_layers
     logits = max_seq_len * mb * model.padded_vocab_size(tp) / (tp * cp) * (2 + 4 + 4)
@@ -162,6 +190,12 @@ EXAMPLES = (
 )
 """The examples whose step is tabulated in ``docs/rollout.md`` (label, config, DP size)."""
 
+MOE_EXAMPLES = (
+    ("30B-A3B, 2 nodes (TP 4, EP 4, DP 4)", "examples/qwen3-30b-a3b.yaml", 4),
+    ("30B-A3B, 4 nodes (TP 4, EP 4, DP 8)", "examples/qwen3-30b-a3b.yaml", 8),
+)
+"""The mixture-of-experts example, tabulated separately in ``docs/rollout.md``."""
+
 
 def colocation_table(budgets: dict[str, ColocationBudget]) -> str:
     """A markdown table (GiB per GPU) of the items and phases of each budget."""
@@ -191,13 +225,16 @@ def colocation_table(budgets: dict[str, ColocationBudget]) -> str:
     return "\n".join(lines)
 
 
-def example_budgets(gpu_bytes: int = H100_80GB_BYTES) -> dict[str, ColocationBudget]:
-    """:data:`EXAMPLES` as budgets (the configs are read from the repository root)."""
+def example_budgets(
+    gpu_bytes: int = H100_80GB_BYTES, examples: tuple[tuple[str, str, int], ...] = EXAMPLES
+) -> dict[str, ColocationBudget]:
+    """``examples`` (default :data:`EXAMPLES`) as budgets (configs read from the repository
+    root)."""
     from reco_megatron.config import load_config
     from reco_megatron.trainer.config import TrainConfig
 
     out = {}
-    for label, path, dp in EXAMPLES:
+    for label, path, dp in examples:
         cfg = load_config(TrainConfig, path, [])
         out[label] = colocation_budget(
             cfg.model,
@@ -212,7 +249,8 @@ def example_budgets(gpu_bytes: int = H100_80GB_BYTES) -> dict[str, ColocationBud
     return out
 
 
-if __name__ == "__main__":  # the table of docs/rollout.md: python -m reco_megatron.trainer.memory
+if __name__ == "__main__":  # the tables of docs/rollout.md: python -m reco_megatron.trainer.memory
     import sys
 
-    sys.stdout.write(colocation_table(example_budgets()) + "\n")
+    sys.stdout.write(colocation_table(example_budgets()) + "\n\n")
+    sys.stdout.write(colocation_table(example_budgets(examples=MOE_EXAMPLES)) + "\n")

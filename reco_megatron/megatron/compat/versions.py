@@ -11,6 +11,9 @@ megatron names, so supporting a new megatron-core version means editing this fil
   0.16, ``moe_logging.get_moe_metrics_tracker()`` (an object) in 0.19.
 - MoE auxiliary loss with ``calculate_per_token_loss``: 0.16 multiplies it by the router's
   local token count, 0.19 by that count times the TP x CP size.
+- MoE router without transformer-engine: 0.16's ``moe_utils`` tests ``te_general_gemm is not
+  None`` but defines the name only when TE imports (``NameError``); :func:`build_gpt_model`
+  defines it as None there (what 0.19 does).
 """
 
 from __future__ import annotations
@@ -144,8 +147,20 @@ def build_gpt_model(**kwargs: Any) -> Any:
     """
     from megatron.core.models.gpt import GPTModel
 
+    if getattr(kwargs.get("config"), "num_moe_experts", None):
+        _define_missing_te_gemm()
     with _gpt_deprecation_silenced():
         return GPTModel(**kwargs)
+
+
+def _define_missing_te_gemm() -> None:
+    """megatron-core 0.16's router gating reads ``moe_utils.te_general_gemm``, imported only
+    with transformer-engine: without TE the name is missing (a NameError at the first
+    forward). Define it as None, which selects the torch matmul as in 0.19."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def moe_aux_losses() -> dict[str, Any]:
