@@ -194,7 +194,7 @@ MOE_EXAMPLES = (
     ("30B-A3B, 2 nodes (TP 4, EP 4, DP 4)", "examples/qwen3-30b-a3b.yaml", 4),
     ("30B-A3B, 4 nodes (TP 4, EP 4, DP 8)", "examples/qwen3-30b-a3b.yaml", 8),
 )
-"""The mixture-of-experts example, tabulated separately in ``docs/rollout.md``."""
+"""The mixture-of-experts example, tabulated in ``docs/moe.md``."""
 
 
 def colocation_table(budgets: dict[str, ColocationBudget]) -> str:
@@ -249,7 +249,7 @@ def example_budgets(
     return out
 
 
-if __name__ == "__main__":  # the tables of docs/rollout.md: python -m reco_megatron.trainer.memory
+if __name__ == "__main__":  # tables of docs/rollout.md and docs/moe.md: python -m ...memory
     import sys
 
     sys.stdout.write(colocation_table(example_budgets()) + "\n\n")

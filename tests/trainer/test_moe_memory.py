@@ -64,4 +64,4 @@ def test_example_fits_an_h100_on_2_and_4_nodes() -> None:
 
 def test_docs_table_is_the_codes() -> None:
     table = colocation_table(example_budgets(examples=MOE_EXAMPLES))
-    assert table in Path("docs/rollout.md").read_text()
+    assert table in Path("docs/moe.md").read_text()
