@@ -113,10 +113,10 @@ class MoERouting:
         from megatron.core import parallel_state as ps
         from megatron.core.transformer.moe.router import TopKRouter
 
-        self.num_layers = num_layers
-        self.sequence_parallel = sequence_parallel
         from reco_megatron.megatron.compat.versions import moe_aux_loss_counts_tp_cp
 
+        self.num_layers = num_layers
+        self.sequence_parallel = sequence_parallel
         self.tp_size = ps.get_tensor_model_parallel_world_size()
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.cp_size = ps.get_context_parallel_world_size()
@@ -146,7 +146,6 @@ class MoERouting:
         self.counting = False
         self._counts = torch.zeros(num_layers, max(self.num_experts, 1), dtype=torch.float64)
         self._routed = torch.zeros(num_layers, dtype=torch.float64)
-        self._aux: dict[str, Any] = {}
         self._pending: list[tuple[RolloutBatch, Any] | None] = [None] * len(self.chunks)
         self._micro_batches = 0
         self._steering = False
