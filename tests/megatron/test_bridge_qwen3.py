@@ -2,9 +2,10 @@
 
 As ``test_bridge_crosscheck.py`` (same shim, same skip): the rollout weight stream of
 :func:`bridge_hf_weights` equals our ``all_stage_hf_weights`` bit for bit, and the bridge's
-import equals ours, for Qwen3 (QK layernorm, decoupled head width) at TP 2 and Qwen3-MoE at
-EP 2 (experts gathered over the expert-parallel group; the import at EP 2 places every
-expert on its rank). Measured also at TP 1 / EP 1 when written: equal.
+import equals ours, for Qwen3-MoE (QK layernorm, decoupled head width, experts) at EP 2:
+experts gathered over the expert-parallel group, and the import at EP 2 places every expert
+on its rank. Measured also when written, not run in CI: Qwen3 dense at TP 1 (stream and
+import) and TP 2 (stream), Qwen3-MoE at EP 1: equal.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def _crosscheck(rank: int, world: int, hf_dir: str, tp: int, ep: int, src: str) 
 
 
 @skip_no_bridge
-@pytest.mark.parametrize(("family", "tp", "ep"), [("qwen3", 2, 1), ("qwen3_moe", 1, 2)])
+@pytest.mark.parametrize(("family", "tp", "ep"), [("qwen3_moe", 1, 2)])
 def test_bridge_matches_builtin(tmp_path, family: str, tp: int, ep: int) -> None:
     model = build_hf(family)
     model.resize_token_embeddings(VOCAB)

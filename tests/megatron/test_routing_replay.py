@@ -29,19 +29,7 @@ from tests.megatron import _moe, _reco
 pytestmark = pytest.mark.dist
 
 
-def _reference(rank, world_size):
-    engine = _moe.build_engine()
-    batch = _moe.rollout_batch()
-    own = _moe.own_routing(engine, batch)
-    perturbed = own.clone()
-    mask = batch.loss_mask[0].bool()
-    for p in torch.nonzero(mask).flatten().tolist():
-        others = [e for e in range(_moe.EXPERTS) if e not in own[0, p, 0].tolist()]
-        perturbed[0, p, 0] = torch.tensor(others[:2], dtype=perturbed.dtype)
-    return {"weights": _moe.full_params(engine), "own": own, "perturbed": perturbed}
-
-
-def _train(rank, world_size, ep, weights, routed, mode, measure_unreplayed=False):
+def _train(ep, weights, routed, mode, measure_unreplayed=False):
     engine = _moe.build_engine(ep=ep, routing_replay=mode)
     engine.update.measure_unreplayed = measure_unreplayed
     _moe.load_full(engine, weights)
@@ -56,20 +44,38 @@ def _train(rank, world_size, ep, weights, routed, mode, measure_unreplayed=False
     }
 
 
-@pytest.fixture(scope="module")
-def reference() -> dict:
-    return run_distributed(_reference, 1, timeout=180)[0]
+def _one_process(rank, world_size):
+    """The model's own routing and a perturbed one, then four runs from the same weights:
+    without replay, replaying the own routing, replaying and recording the perturbed one."""
+    engine = _moe.build_engine()
+    weights = _moe.full_params(engine)
+    batch = _moe.rollout_batch()
+    own = _moe.own_routing(engine, batch)
+    perturbed = own.clone()
+    for p in torch.nonzero(batch.loss_mask[0].bool()).flatten().tolist():
+        others = [e for e in range(_moe.EXPERTS) if e not in own[0, p, 0].tolist()]
+        perturbed[0, p, 0] = torch.tensor(others[:2], dtype=perturbed.dtype)
+    return {
+        "weights": weights,
+        "perturbed": perturbed,
+        "off": _train(1, weights, own, "off"),
+        "own": _train(1, weights, own, "replay"),
+        "replayed": _train(1, weights, perturbed, "replay", measure_unreplayed=True),
+        "recorded": _train(1, weights, perturbed, "record"),
+    }
+
+
+def _expert_parallel(rank, world_size, weights, routed):
+    return _train(2, weights, routed, "replay")
 
 
 @pytest.fixture(scope="module")
-def without_replay(reference) -> dict:
-    args = (1, reference["weights"], reference["own"], "off")
-    return run_distributed(_train, 1, args=args, timeout=180)[0]
+def runs() -> dict:
+    return run_distributed(_one_process, 1, timeout=300)[0]
 
 
-def test_replaying_the_models_own_routing_changes_nothing(reference, without_replay) -> None:
-    args = (1, reference["weights"], reference["own"], "replay")
-    res = run_distributed(_train, 1, args=args, timeout=180)[0]
+def test_replaying_the_models_own_routing_changes_nothing(runs) -> None:
+    res, without_replay = runs["own"], runs["off"]
     assert torch.equal(res["old"], without_replay["old"])
     assert res["steps"][0]["loss"] == without_replay["steps"][0]["loss"]
     assert res["steps"][0]["grad_norm"] == without_replay["steps"][0]["grad_norm"]
@@ -77,11 +83,9 @@ def test_replaying_the_models_own_routing_changes_nothing(reference, without_rep
     assert res["prep"]["routing_mismatch_layer"] == 0.0
 
 
-def test_replaying_a_perturbed_routing(reference, without_replay) -> None:
-    args = (1, reference["weights"], reference["perturbed"], "replay")
-    replayed = run_distributed(_train, 1, args=args, kwargs={"measure_unreplayed": True})[0]
-    batch = _moe.rollout_batch()
-    mask = batch.loss_mask.bool()
+def test_replaying_a_perturbed_routing(runs) -> None:
+    replayed, without_replay = runs["replayed"], runs["off"]
+    mask = _moe.rollout_batch().loss_mask.bool()
     first = int(torch.nonzero(mask[0]).min())
     # sequence 0 changes from its first replayed position on; the other sequences do not
     assert torch.equal(replayed["old"][1:], without_replay["old"][1:])
@@ -102,18 +106,16 @@ def test_replaying_a_perturbed_routing(reference, without_replay) -> None:
     )
     assert diff > 1e-4
     # record: the same measurement, the training of 'off'
-    args = (1, reference["weights"], reference["perturbed"], "record")
-    recorded = run_distributed(_train, 1, args=args, timeout=180)[0]
+    recorded = runs["recorded"]
     assert recorded["prep"]["routing_mismatch"] == replayed["prep"]["routing_mismatch"]
     for name, value in without_replay["params"].items():
         assert torch.equal(recorded["params"][name], value), name
 
 
-def test_replay_under_expert_parallelism(reference) -> None:
-    args = (reference["weights"], reference["perturbed"], "replay")
-    want = run_distributed(_train, 1, args=(1, *args), timeout=180)[0]
-    got = run_distributed(_train, 2, args=(2, *args), timeout=240)
-    for res in got:
+def test_replay_under_expert_parallelism(runs) -> None:
+    want = runs["replayed"]
+    args = (runs["weights"], runs["perturbed"])
+    for res in run_distributed(_expert_parallel, 2, args=args, timeout=240):
         assert res["prep"]["routing_mismatch"] == want["prep"]["routing_mismatch"]
         for name, value in want["params"].items():
             torch.testing.assert_close(res["params"][name], value, atol=2e-5, rtol=0, msg=name)

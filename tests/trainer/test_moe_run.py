@@ -3,7 +3,7 @@
 ``examples/tiny_cpu.yaml`` as a ``qwen3_moe`` (4 experts, top-2, decoupled head width,
 auxiliary loss on), the megatron rollout engine recording the routing, ``update.routing_replay:
 replay``, at EP 2 on 2 ranks (the two data-parallel ranks decode different prompts in
-lockstep). Two steps, a checkpoint, a resumed third step, then ``reco-export`` and
+lockstep). One step, a checkpoint, a resumed second step, then ``reco-export`` and
 ``transformers``. The rollout's routing is the trainer's (``routing_mismatch == 0``: the same
 router on the same weights; the KV cache changes only the attention kernel), so its log-probs
 agree with the old-policy pass to fp32 noise (bound 1e-4 as in ``test_loop.py``), and the
@@ -37,7 +37,8 @@ RUN = [
     "update.routing_replay=replay",
     "update.measure_unreplayed=true",
     "eval.interval=0",
-    "checkpoint.save_interval=2",
+    "sft.steps=0",
+    "checkpoint.save_interval=1",
 ]
 
 
@@ -53,10 +54,10 @@ def _export(rank, world_size, ckpt: str, out: str) -> int:
 
 
 def test_moe_run_trains_resumes_and_exports(tmp_path: Path) -> None:
-    run_distributed(_run, 2, args=(str(tmp_path), 2), timeout=900)
-    run_distributed(_run, 2, args=(str(tmp_path), 3), timeout=900)  # resumes from step 2
+    run_distributed(_run, 2, args=(str(tmp_path), 1), timeout=900)
+    run_distributed(_run, 2, args=(str(tmp_path), 2), timeout=900)  # resumes from step 1
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["step"] for r in rows] == [1, 2]
     for row in rows:
         assert row["routing_mismatch"] == 0.0 and row["routing_mismatch_layer"] == 0.0
         assert row["logprob_mismatch"] < 1e-4
