@@ -56,10 +56,13 @@ class Layout:
     """Data parallel size: what is left of the world."""
     world: int
     """Processes in total (nodes x processes per node)."""
+    ep: int = 1
+    """Expert parallel size (mixture-of-experts models; carved out of TP x CP x DP)."""
 
     def line(self) -> str:
-        """The one-line summary the scripts print and parse."""
-        return f"TP={self.tp} PP={self.pp} CP={self.cp} DP={self.dp} WORLD={self.world}"
+        """The one-line summary the scripts print and parse (``EP=`` only when > 1)."""
+        ep = f" EP={self.ep}" if self.ep > 1 else ""
+        return f"TP={self.tp} PP={self.pp} CP={self.cp} DP={self.dp}{ep} WORLD={self.world}"
 
 
 def check_layout(
@@ -74,9 +77,10 @@ def check_layout(
 
     Raises ``ValueError`` (the message says what to change) when: a process count is not
     positive; more processes per node than GPUs; TP larger than one node (tensor parallelism
-    needs NVLink); the world size not divisible by TP x PP x CP; the model's heads or layers
-    not divisible by TP / PP; a batch split that does not fit the data-parallel size (prompts
-    over mini-batches x DP, micro-batches, the token budget: ``preflight.batch_problems``).
+    needs NVLink); the world size not divisible by TP x PP x CP; EP x expert-TP not dividing
+    the ranks of a pipeline stage; the model's heads, layers or experts not divisible by TP /
+    PP / EP; a batch split that does not fit the data-parallel size (prompts over
+    mini-batches x DP, micro-batches, the token budget: ``preflight.batch_problems``).
     Raises :class:`ConfigError` for an invalid config.
     """
     from reco_megatron.config import load_config
@@ -115,7 +119,7 @@ def check_layout(
     problems = batch_problems(cfg, dp)  # batch splits and the token budget at this DP
     if problems:
         raise ValueError("; ".join(problems))
-    return Layout(tp=tp, pp=pp, cp=cp, dp=dp, world=world)
+    return Layout(tp=tp, pp=pp, cp=cp, dp=dp, world=world, ep=par.expert_model_parallel_size)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -18,6 +18,7 @@
 #                    fit the config, which exits 2.
 #   RDZV_PORT        c10d rendezvous port on the head node (default: 29500 + job id % 1000)
 #   DRY_RUN=1        print the srun/torchrun command line instead of running it
+#   NNODES           nodes of a dry run outside Slurm (default: the script's #SBATCH --nodes)
 #   LAUNCH_CHECK=0   skip the layout check (not recommended)
 #   REQUEUE_ON_TIMEOUT=0  do not `scontrol requeue` after the time-limit warning (USR1)
 #   FORWARD_SIGNAL   signal sent to the srun step when the batch shell gets USR1/TERM (TERM)
@@ -50,9 +51,17 @@ reco_find_python() {
   RECO_PYTHON_FROM=$how
 }
 
-# The allocation: nodes, head node, job id. Outside Slurm (a dry run on a laptop) one node.
+# The calling script's `#SBATCH --nodes=N` (1 when it has none).
+reco_script_nodes() {
+  local n
+  n=$(sed -n 's/^#SBATCH --nodes=\([0-9][0-9]*\)[[:space:]]*$/\1/p' "$0" 2>/dev/null | head -n 1)
+  echo "${n:-1}"
+}
+
+# The allocation: nodes, head node, job id. Outside Slurm (a dry run on a laptop) the nodes
+# come from NNODES, else from the script's own #SBATCH --nodes line.
 reco_allocation() {
-  NNODES=${SLURM_NNODES:-${SLURM_JOB_NUM_NODES:-1}}
+  NNODES=${SLURM_NNODES:-${SLURM_JOB_NUM_NODES:-${NNODES:-$(reco_script_nodes)}}}
   JOB_ID=${SLURM_JOB_ID:-0}
   if [ -n "${SLURM_JOB_NODELIST:-}" ]; then
     HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)

@@ -42,6 +42,9 @@ class RolloutBatch:
     """``[B, L-1]`` reference-policy log-probs (KL term), when a reference model is used."""
     weights: torch.Tensor | None = None
     """``[B]`` ReCo response weights, computed on the complete groups (filled by the engine)."""
+    routed_experts: torch.Tensor | None = None
+    """``[B, L-1, layers, top-k]`` int16: the experts the rollout engine routed input position
+    ``t`` to in each MoE layer (``-1``: not recorded); for routing replay / its metrics."""
 
     def __post_init__(self) -> None:
         if self.tokens.dim() != 2 or self.tokens.shape != self.response_mask.shape:
@@ -59,6 +62,12 @@ class RolloutBatch:
             raise ValueError(f"advantages must be [B] = [{b}], got {tuple(self.advantages.shape)}")
         if self.tokens.shape[1] < 2:
             raise ValueError("sequences need at least 2 tokens (a prompt token and a response)")
+        routed = self.routed_experts
+        if routed is not None and (routed.dim() != 4 or routed.shape[:2] != self.labels.shape):
+            raise ValueError(
+                f"routed_experts must be [B, L-1, layers, top-k] = [{b}, "
+                f"{self.tokens.shape[1] - 1}, ...], got {tuple(routed.shape)}"
+            )
 
     @property
     def num_sequences(self) -> int:

@@ -1,4 +1,4 @@
-"""The parallel layout (TP, PP, CP, DP, virtual pipeline, sequence parallel) and its start-up.
+"""The parallel layout (TP, PP, CP, DP, EP, virtual pipeline, sequence parallel) and its start-up.
 
 :class:`ParallelConfig` is the block users edit to scale: moving from an 8B to a 70B model
 changes it and the model block only. :func:`initialize_parallel` reads the torchrun
@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,17 @@ class ParallelConfig:
     """Shard the activations outside the tensor-parallel matmuls (norms, residuals, dropout)
     over the sequence across the TP group: ~(TP-1)/TP less of that activation memory, the same
     arithmetic (needs TP > 1; the sequence is padded to a multiple of TP)."""
+    expert_model_parallel_size: int = 1
+    """EP (mixture-of-experts models): ranks the experts of a layer are split over. Carved out
+    of the data-parallel ranks (and TP x CP), as in megatron-core: EP x expert-TP must divide
+    TP x CP x DP; tokens travel to their experts' ranks through the token dispatcher."""
+    expert_tensor_parallel_size: int | None = None
+    """Expert TP: ranks one expert is split over; None = the TP size (megatron's default),
+    1 keeps experts whole (usual with EP)."""
+    moe_token_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
+    """How tokens reach their experts across EP ranks: ``alltoall`` (sends each token only
+    where it is routed; megatron's choice at scale) or ``allgather`` (every rank sees every
+    token). Both run over NCCL on GPU and gloo on CPU."""
     micro_batch_size: int = 1
     """Sequences per micro-batch on one data-parallel rank."""
     distributed_timeout_minutes: int = 30
@@ -48,12 +60,24 @@ class ParallelConfig:
             "tensor_model_parallel_size",
             "pipeline_model_parallel_size",
             "context_parallel_size",
+            "expert_model_parallel_size",
             "micro_batch_size",
             "distributed_timeout_minutes",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"parallel.{name} must be a positive integer, got {value!r}")
+        etp = self.expert_tensor_parallel_size
+        if etp is not None and (isinstance(etp, bool) or not isinstance(etp, int) or etp < 1):
+            raise ValueError(
+                f"parallel.expert_tensor_parallel_size must be a positive integer or null (= "
+                f"TP), got {etp!r}"
+            )
+        if self.moe_token_dispatcher not in ("alltoall", "allgather"):
+            raise ValueError(
+                "parallel.moe_token_dispatcher must be 'alltoall' or 'allgather', got "
+                f"{self.moe_token_dispatcher!r}"
+            )
         vp = self.virtual_pipeline_model_parallel_size
         if vp is not None and (vp < 1 or self.pipeline_model_parallel_size == 1):
             raise ValueError(
@@ -75,6 +99,11 @@ class ParallelConfig:
             * self.context_parallel_size
         )
 
+    def expert_tensor_size(self) -> int:
+        """Expert TP: ``expert_tensor_parallel_size``, or TP when it is null."""
+        etp = self.expert_tensor_parallel_size
+        return self.tensor_model_parallel_size if etp is None else etp
+
     def data_parallel_size(self, world_size: int) -> int:
         """DP for ``world_size`` ranks; raises with the fix when the layout does not fit."""
         if world_size % self.model_parallel_size:
@@ -84,13 +113,38 @@ class ParallelConfig:
                 f"{self.context_parallel_size} = {self.model_parallel_size}: change the number "
                 "of processes (nodes x GPUs per node) or the parallel block"
             )
-        return world_size // self.model_parallel_size
+        dp = world_size // self.model_parallel_size
+        ep, etp = self.expert_model_parallel_size, self.expert_tensor_size()
+        attention = self.tensor_model_parallel_size * self.context_parallel_size * dp
+        if attention % (ep * etp):
+            raise ValueError(
+                f"EP x expert-TP = {ep} x {etp} does not divide TP x CP x DP = "
+                f"{self.tensor_model_parallel_size} x {self.context_parallel_size} x {dp} = "
+                f"{attention} (the ranks of one pipeline stage): experts are spread over the "
+                "ranks of a stage, so choose EP (and expert TP) dividing it, or change the "
+                "number of processes"
+            )
+        return dp
 
     def validate_for_model(self, model: object, num_layers: int, on_gpu: bool) -> None:
         """Checks that need the model: heads and kv-heads over TP, layers over PP, CPU limits."""
         check = getattr(model, "check_tensor_parallel", None)
         if check is not None:
             check(self.tensor_model_parallel_size)
+        moe = getattr(model, "moe", None)
+        if moe is None and self.expert_model_parallel_size > 1:
+            raise ValueError(
+                f"parallel.expert_model_parallel_size={self.expert_model_parallel_size} needs a "
+                "mixture-of-experts model (model.moe); set it to 1 for a dense model"
+            )
+        if moe is not None:
+            moe.check_expert_parallel(self.expert_model_parallel_size, self.expert_tensor_size())
+            if self.tensor_model_parallel_size > 1 and not self.sequence_parallel:
+                raise ValueError(
+                    f"a mixture-of-experts model at tensor_model_parallel_size="
+                    f"{self.tensor_model_parallel_size} needs parallel.sequence_parallel=true "
+                    "(megatron-core's MoE layer refuses to train TP > 1 without it)"
+                )
         chunks = self.pipeline_model_parallel_size * (
             self.virtual_pipeline_model_parallel_size or 1
         )
@@ -165,15 +219,20 @@ def initialize_parallel(cfg: ParallelConfig, seed: int) -> str:
         pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_model_parallel_size,
         context_parallel_size=cfg.context_parallel_size,
+        expert_model_parallel_size=cfg.expert_model_parallel_size,
+        expert_tensor_parallel_size=cfg.expert_tensor_size(),
     )
     model_parallel_seed(seed)
     logger.info(
-        "parallel: world %d = TP %d x PP %d x CP %d x DP %d (%s)",
+        "parallel: world %d = TP %d x PP %d x CP %d x DP %d%s (%s)",
         world_size,
         cfg.tensor_model_parallel_size,
         cfg.pipeline_model_parallel_size,
         cfg.context_parallel_size,
         dp,
+        f", EP {cfg.expert_model_parallel_size} x expert-TP {cfg.expert_tensor_size()}"
+        if cfg.expert_model_parallel_size > 1
+        else "",
         backend,
     )
     return backend

@@ -99,10 +99,12 @@ def _gather_batches(batch: RolloutBatch, group: Any) -> RolloutBatch:
         value = getattr(batch, name)
         if value is None:
             continue
-        local = value.contiguous().to(device)
+        # int16 (routed experts) travels as int32: gloo's all_gather has no 16-bit integers
+        wire = torch.int32 if value.dtype == torch.int16 else value.dtype
+        local = value.contiguous().to(device=device, dtype=wire)
         parts = [torch.empty_like(local) for _ in range(world)]
         dist.all_gather(parts, local, group=group)
-        out[name] = torch.cat(parts).to(value.device)
+        out[name] = torch.cat(parts).to(value.device, value.dtype)
     return replace(batch, **out)
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,7 @@ from reco_megatron.megatron.distributed import ParallelConfig
 from reco_megatron.megatron.engine_metrics import reduce_metrics
 from reco_megatron.megatron.loss_layer import (
     LossContext,
+    denominator_share,
     policy_loss_func,
     sft_loss_func,
     statistics_func,
@@ -50,6 +51,7 @@ from reco_megatron.megatron.model import (
     transformer_config,
 )
 from reco_megatron.megatron.optimizer import OptimConfig, build_optimizer, current_lr, wrap_ddp
+from reco_megatron.megatron.routing import MoERouting
 from reco_megatron.megatron.schedule import MicroBatcher
 from reco_megatron.parallel.vocab_stats_kernels import IMPLEMENTATIONS
 from reco_megatron.utils.logging import get_logger
@@ -93,8 +95,29 @@ class UpdateConfig:
     ``PackedSeqParams``) instead of padded rows. Needs transformer-engine on a GPU; without it
     the run logs one line and uses the padded token-budget micro-batches."""
 
+    routing_replay: Literal["off", "record", "replay"] = "off"
+    """Mixture-of-experts models: ``record`` has the rollout engine return each token's
+    experts and logs how often the trainer's routers choose others (``routing_mismatch``);
+    ``replay`` also makes the old-policy pass and the updates use the rollout's experts
+    (docs/megatron-engine.md, "Routing replay"); ``off`` neither."""
+
+    measure_unreplayed: bool = False
+    """With ``routing_replay: replay``: also run the old-policy pass with the model's own
+    routing to log ``logprob_mismatch_free``, the rollout/trainer mismatch replay removes
+    (one more forward-only pass per step)."""
+
     def __post_init__(self) -> None:
-        for name in ("fused_output_layer", "balance_data_parallel", "sequence_packing"):
+        if self.routing_replay not in ("off", "record", "replay"):
+            raise ValueError(
+                "update.routing_replay must be 'off', 'record' or 'replay', got "
+                f"{self.routing_replay!r}"
+            )
+        for name in (
+            "fused_output_layer",
+            "balance_data_parallel",
+            "sequence_packing",
+            "measure_unreplayed",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(
                     f"update.{name} must be true or false, got {getattr(self, name)!r}"
@@ -162,6 +185,19 @@ class ReCoEngine:
         if loss.kl_coef > 0:
             self.ref_model = self._build_chunks()
             self.sync_reference()
+        self.routing: MoERouting | None = None
+        """The policy's routers (mixture-of-experts models): replay, records, metrics."""
+        if model.moe is not None:
+            self.routing = MoERouting(
+                self.unwrapped(),
+                num_layers=model.num_layers,
+                sequence_parallel=parallel.sequence_parallel,
+            )
+        elif update.routing_replay != "off":
+            raise ValueError(
+                f"update.routing_replay={update.routing_replay!r} needs a mixture-of-experts "
+                "model (model.moe); set it to 'off' for a dense model"
+            )
         self.ctx = LossContext(
             loss=loss,
             vocab_size=model.vocab_size,
@@ -216,25 +252,56 @@ class ReCoEngine:
         return ps.is_pipeline_last_stage(ignore_virtual=True)
 
     # ------------------------------------------------------------------ schedules
-    def _run(self, model: list[Any], batch: RolloutBatch, loss_func: Any, forward_only: bool):
-        """``(per-micro-batch outputs, plan)`` of one pass (``schedule.MicroBatcher``)."""
+    def _run(self, model, batch, loss_func, forward_only, *, replay=False, measure=False):
+        """``(per-micro-batch outputs, plan)`` of one pass over ``batch``
+        (``schedule.MicroBatcher``: fixed or token-budget micro-batches). For the policy of a
+        mixture-of-experts model the data iterators also set each micro-batch's routing
+        (``replay``: the rollout's experts; ``measure``: record the free choices) and, when
+        training, the auxiliary loss's coefficient (:mod:`reco_megatron.megatron.routing`)."""
         batch = batch.to(self.device)
-        return self.batcher.run(model, batch, loss_func, self.ctx, self.device, forward_only)
+        routing = self.routing if model is self.model else None
+        iterators = None
+        if routing is not None:
+            sft = loss_func is sft_loss_func
+
+            def iterators(mbs: list[RolloutBatch]) -> Any:
+                shares = [
+                    mb.loss_mask.sum() if sft else denominator_share(mb, self.loss_cfg)
+                    for mb in mbs
+                ]
+                return routing.micro_batches(
+                    mbs,
+                    len(model),
+                    replay=replay,
+                    measure=measure,
+                    train=not forward_only,
+                    shares=shares,
+                )
+
+        try:
+            return self.batcher.run(
+                model, batch, loss_func, self.ctx, self.device, forward_only, iterators
+            )
+        finally:
+            if routing is not None:
+                routing.end_pass()
 
     def statistics(self, batch: RolloutBatch, reference: bool = False) -> dict[str, torch.Tensor]:
         """Forward-only per-token ``logprob``, ``sum_p2``, ``entropy`` ``[B, S]`` on the CPU
         (last stage; ``{}`` elsewhere) of the current policy, or of the reference model."""
         return {k: v.cpu() for k, v in self._statistics(batch, reference).items()}
 
-    def _statistics(self, batch: RolloutBatch, reference: bool) -> dict[str, torch.Tensor]:
-        """:meth:`statistics` on ``self.device``."""
+    def _statistics(
+        self, batch: RolloutBatch, reference: bool, **routing: bool
+    ) -> dict[str, torch.Tensor]:
+        """:meth:`statistics` on ``self.device`` (``routing``: see :meth:`_run`)."""
         model = self.ref_model if reference else self.model
         if model is None:
             raise RuntimeError("no reference model: it exists only when loss.kl_coef > 0")
         for chunk in model:
             chunk.eval()
         with torch.no_grad():
-            parts, plan = self._run(model, batch, statistics_func, forward_only=True)
+            parts, plan = self._run(model, batch, statistics_func, forward_only=True, **routing)
         for chunk in self.model:
             chunk.train()
         self.last_plan = plan
@@ -255,8 +322,14 @@ class ReCoEngine:
         batch, balance = self.batcher.balance(batch, self.model_cfg.hidden_size)
         batch = batch.to(self.device)
         start = time.perf_counter()
-        stats = self._statistics(batch, reference=False)
+        routing = self._routing_for(batch)
+        stats = self._statistics(batch, reference=False, **routing)
         elapsed = time.perf_counter() - start
+        if routing.get("measure") and self.routing is not None:
+            metrics.update(self.routing.mismatch())
+        free = None
+        if routing.get("replay") and self.update.measure_unreplayed:
+            free = self._statistics(batch, reference=False)
         if not stats:
             return batch.to("cpu"), {"time_old_logprob": elapsed}
         counters = {f"old_{k}": torch.tensor(v) for k, v in self.last_plan.counters().items()}
@@ -280,6 +353,9 @@ class ReCoEngine:
             diff = (batch.rollout_logprobs.to(old.dtype) - old).abs() * mask
             metrics["logprob_mismatch/wsum"] = diff.sum()
             metrics["logprob_mismatch_max/max"] = diff.max()
+            if free is not None:
+                diff = (batch.rollout_logprobs.to(old.dtype) - free["logprob"]).abs() * mask
+                metrics["logprob_mismatch_free/wsum"] = diff.sum()
         prepared = replace(
             batch,
             old_logprobs=old,
@@ -287,10 +363,17 @@ class ReCoEngine:
             ref_logprobs=ref,
             weights=weights,
         )
-        out = reduce_metrics([metrics], weight_key="num_response_tokens/sum")
+        out = MoERouting.mismatch_ratios(reduce_metrics([metrics], "num_response_tokens/sum"))
         out.update(balance)
         out["time_old_logprob"] = elapsed
         return prepared.to("cpu"), out
+
+    def _routing_for(self, batch: RolloutBatch) -> dict[str, bool]:
+        """How the policy's routers treat ``batch``: ``replay`` the rollout's experts and
+        ``measure`` the mismatch (the old-policy pass measures; updates only replay)."""
+        if self.routing is None:
+            return {}
+        return self.routing.pass_options(self.update.routing_replay, batch)
 
     def grads_finite(self) -> bool:
         """Whether every gradient on every rank is finite (collective over the world)."""
@@ -321,12 +404,14 @@ class ReCoEngine:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         start = time.perf_counter()
-        parts, plan = self._run(self.model, minibatch, policy_loss_func, forward_only=False)
+        replay = self._routing_for(minibatch).get("replay", False)
+        parts, plan = self._run(self.model, minibatch, policy_loss_func, False, replay=replay)
         middle = time.perf_counter()
         if self.is_last_stage:
             parts = with_plan_counters(parts, plan)
         metrics = reduce_metrics(parts if self.is_last_stage else [], weight_key="num_tokens/sum")
         metrics = self.broadcast_metrics(metrics)
+        metrics.update(self.routing.step_metrics() if self.routing is not None else {})
         finite = self.grads_finite()
         decision = guard(metrics, finite) if guard is not None else ("ok" if finite else "skip")
         grad_norm = None
@@ -362,6 +447,7 @@ class ReCoEngine:
             for group, value in zip(self.optimizer.param_groups, saved, strict=True):
                 group["lr"] = value
         metrics = reduce_metrics(parts if self.is_last_stage else [], weight_key="num_tokens/sum")
+        metrics.update(self.routing.step_metrics() if self.routing is not None else {})
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics["update_skipped"] = 0.0 if update_ok else 1.0
         return metrics

@@ -290,6 +290,10 @@ def split_to(
 
 
 # ---------------------------------------------------------------- tensors of one micro-batch
+_PAD_FILL = {"routed_experts": -1}
+"""What padding positions hold, per field, when it is not 0 (``-1``: no expert recorded)."""
+
+
 def take_rows(batch: RolloutBatch, rows: Sequence[int], seq_length: int, pad_id: int = 0):
     """Rows ``rows`` of ``batch`` with every per-token tensor cut or right-padded to
     ``seq_length`` positions (``tokens``/``response_mask``: ``seq_length + 1``). Padding gets
@@ -302,13 +306,15 @@ def take_rows(batch: RolloutBatch, rows: Sequence[int], seq_length: int, pad_id:
         if not isinstance(value, torch.Tensor):
             continue
         value = value.index_select(0, index)
-        if value.dim() == 2:
+        if value.dim() >= 2:  # [B, S, ...]: per token (routed_experts: [B, S, layers, k])
             width = seq_length + (value.shape[1] - s_full)  # +1 for tokens / response_mask
             if width <= value.shape[1]:
                 value = value[:, :width]
             else:
-                fill = pad_id if f.name == "tokens" else 0
-                pad = value.new_full((value.shape[0], width - value.shape[1]), fill)
+                fill = _PAD_FILL.get(f.name, 0) if f.name != "tokens" else pad_id
+                pad = value.new_full(
+                    (value.shape[0], width - value.shape[1], *value.shape[2:]), fill
+                )
                 value = torch.cat([value, pad], dim=1)
         out[f.name] = value
     b = len(rows)

@@ -1,13 +1,16 @@
-"""Llama / Qwen2-family GPT models on megatron-core, from one small typed config.
+"""GPT-style decoders on megatron-core (Llama, Qwen2, Qwen3, Qwen3-MoE) from one typed config.
 
 :class:`ModelConfig` holds what defines the architecture (the fields of a Hugging Face
-``config.json`` that matter); :func:`transformer_config` turns it plus the parallel layout
-into megatron's ``TransformerConfig`` (reused, not mirrored), and :func:`build_model` builds
-the ``GPTModel`` of this pipeline stage: RMSNorm, SwiGLU, RoPE with the family's base and
-Llama-3 scaling, grouped-query attention, QKV bias for Qwen2, tied or untied embeddings,
-vocabulary padded to a multiple of ``make_vocab_size_divisible_by * TP``. The output layer
-keeps ``parallel_output=True``: logits stay vocabulary-sharded, ``[B, S, V/TP]``, and the
-statistics op upcasts them chunk by chunk.
+``config.json`` that matter); :data:`FAMILIES` says what each family adds to the common
+decoder (QKV bias, QK layernorm, mixture-of-experts layers); :func:`transformer_config` turns
+the config plus the parallel layout into megatron's ``TransformerConfig`` (reused, not
+mirrored), and :func:`build_model` builds the ``GPTModel`` of this pipeline stage: RMSNorm,
+SwiGLU, RoPE with the family's base and Llama-3 scaling, grouped-query attention with an
+optional decoupled head width, QKV bias for Qwen2, per-head RMSNorm of queries and keys for
+Qwen3, MoE layers (:mod:`reco_megatron.megatron.moe`) for Qwen3-MoE, tied or untied
+embeddings, vocabulary padded to a multiple of ``make_vocab_size_divisible_by * TP``. The
+output layer keeps ``parallel_output=True``: logits stay vocabulary-sharded, ``[B, S, V/TP]``,
+and the statistics op upcasts them chunk by chunk.
 
 The layer spec and megatron's fusions are chosen together by :func:`layer_backend`: on GPU
 with transformer-engine importable, the TE spec with the fusions on; otherwise (CPU, or GPU
@@ -15,6 +18,8 @@ without TE) megatron's local spec with every fusion off (they need kernels only 
 provide) and its torch norms replaced by :class:`reco_megatron.megatron.norm.
 SequenceParallelNorm` (parameter-dtype weights, fp32 statistics, parameters marked for the
 tensor-parallel gradient sum), so ``parallel.sequence_parallel`` works without TE too.
+The family's QK layernorm and MoE layers come from the same spec call (local
+``SequentialMLP`` experts without TE), with the same norm replacement.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
+from reco_megatron.megatron.moe import MoEConfig, moe_transformer_kwargs
 from reco_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -33,16 +39,38 @@ logger = get_logger(__name__)
 LayerBackend = Literal["transformer_engine", "local"]
 _warned: set[str] = set()
 
-Family = Literal["llama", "qwen2"]
+Family = Literal["llama", "qwen2", "qwen3", "qwen3_moe"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class FamilyTraits:
+    """What a model family adds to the common decoder (RMSNorm, SwiGLU, RoPE, GQA)."""
+
+    qkv_bias: bool
+    """Bias on the fused QKV projection (Qwen2)."""
+    qk_layernorm: bool
+    """RMSNorm over each query and key head before RoPE (Qwen3)."""
+    moe: bool
+    """Mixture-of-experts MLPs: ``model.moe`` is required (and refused otherwise)."""
+
+
+FAMILIES: dict[str, FamilyTraits] = {
+    "llama": FamilyTraits(qkv_bias=False, qk_layernorm=False, moe=False),
+    "qwen2": FamilyTraits(qkv_bias=True, qk_layernorm=False, moe=False),
+    "qwen3": FamilyTraits(qkv_bias=False, qk_layernorm=True, moe=False),
+    "qwen3_moe": FamilyTraits(qkv_bias=False, qk_layernorm=True, moe=True),
+}
+"""The families :class:`ModelConfig` builds, by their HF ``model_type``."""
 
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    """Architecture of a Llama- or Qwen2-family decoder (names follow HF ``config.json``)."""
+    """Architecture of a decoder of one of :data:`FAMILIES` (names follow HF ``config.json``)."""
 
     family: Family = "llama"
-    """``llama`` (no biases) or ``qwen2`` (bias on the QKV projection only)."""
+    """``llama`` (no biases), ``qwen2`` (bias on the QKV projection), ``qwen3`` (QK
+    layernorm) or ``qwen3_moe`` (QK layernorm, mixture-of-experts layers: set ``moe``)."""
     num_layers: int = 2
     """Transformer layers (HF ``num_hidden_layers``)."""
     hidden_size: int = 64
@@ -53,6 +81,9 @@ class ModelConfig:
     """Query heads; ``hidden_size`` must be divisible by it."""
     num_query_groups: int | None = None
     """Key/value heads for grouped-query attention (HF ``num_key_value_heads``); None = MHA."""
+    kv_channels: int | None = None
+    """Width of one attention head (HF ``head_dim``) when it is not ``hidden_size /
+    num_attention_heads`` (Qwen3: 128 at every size); None = that quotient."""
     vocab_size: int = 128
     """True vocabulary size (the tokenizer's); padded internally for tensor parallelism."""
     max_position_embeddings: int = 512
@@ -71,10 +102,24 @@ class ModelConfig:
     """Parameter dtype of the model (bf16 on GPU with fp32 main weights in the optimizer)."""
     init_method_std: float = 0.02
     """Std of the normal initialisation of new weights (overwritten when loading a checkpoint)."""
+    moe: MoEConfig | None = None
+    """The mixture-of-experts layers (family ``qwen3_moe``); null for dense families."""
 
     def __post_init__(self) -> None:
-        if self.family not in ("llama", "qwen2"):
-            raise ValueError(f"family must be 'llama' or 'qwen2', got {self.family!r}")
+        if isinstance(self.moe, dict):  # from meta.json / asdict
+            self.moe = MoEConfig(**self.moe)
+        if self.family not in FAMILIES:
+            raise ValueError(f"family must be one of {sorted(FAMILIES)}, got {self.family!r}")
+        if self.traits.moe and self.moe is None:
+            raise ValueError(
+                f"family {self.family!r} has mixture-of-experts layers: set model.moe "
+                "(num_experts, router_topk, ffn_hidden_size, ...)"
+            )
+        if not self.traits.moe and self.moe is not None:
+            raise ValueError(
+                f"model.moe is set but family {self.family!r} is dense; use family "
+                "'qwen3_moe' for a mixture-of-experts model, or remove model.moe"
+            )
         for name in (
             "num_layers",
             "hidden_size",
@@ -87,10 +132,14 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.hidden_size % self.num_attention_heads:
+        kv = self.kv_channels
+        if kv is not None and (isinstance(kv, bool) or not isinstance(kv, int) or kv < 1):
+            raise ValueError(f"kv_channels (HF head_dim) must be a positive integer, got {kv!r}")
+        if kv is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
-                f"{self.num_attention_heads}: pick a head count that divides the width"
+                f"{self.num_attention_heads}: pick a head count that divides the width, or set "
+                "kv_channels (HF head_dim)"
             )
         groups = self.query_groups
         if groups < 1 or self.num_attention_heads % groups:
@@ -113,9 +162,14 @@ class ModelConfig:
         return self.num_query_groups or self.num_attention_heads
 
     @property
+    def traits(self) -> FamilyTraits:
+        """What this family adds to the common decoder."""
+        return FAMILIES[self.family]
+
+    @property
     def head_dim(self) -> int:
-        """Width of one attention head."""
-        return self.hidden_size // self.num_attention_heads
+        """Width of one attention head (``kv_channels``, else hidden / heads)."""
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
 
     def padded_vocab_size(self, tp: int) -> int:
         """Megatron's padded vocabulary: a multiple of ``make_vocab_size_divisible_by * tp``."""
@@ -178,6 +232,7 @@ def transformer_config(model: ModelConfig, parallel: Any, on_gpu: bool) -> Any:
     dtype = DTYPES[model.params_dtype]
     fused = layer_backend(on_gpu) == "transformer_engine"
     interleaved = parallel.virtual_pipeline_model_parallel_size is not None
+    moe = moe_transformer_kwargs(model.moe, parallel) if model.moe is not None else {}
     return TransformerConfig(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
@@ -190,7 +245,8 @@ def transformer_config(model: ModelConfig, parallel: Any, on_gpu: bool) -> Any:
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=model.family == "qwen2",
+        add_qkv_bias=model.traits.qkv_bias,
+        qk_layernorm=model.traits.qk_layernorm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=model.init_method_std,
@@ -219,6 +275,7 @@ def transformer_config(model: ModelConfig, parallel: Any, on_gpu: bool) -> Any:
         # stage is the next one) are indistinguishable, and the schedule mixes them up.
         overlap_p2p_comm=interleaved,
         batch_p2p_comm=not interleaved,
+        **moe,
     )
 
 
@@ -252,7 +309,7 @@ def _with_norm(spec: Any, norm: type) -> Any:
     return spec
 
 
-def _layer_spec(config: Any, on_gpu: bool, vp_stage: int | None) -> Any:
+def _layer_spec(model: ModelConfig, config: Any, on_gpu: bool, vp_stage: int | None) -> Any:
     """The decoder spec of one pipeline stage (or virtual-pipeline chunk).
 
     With transformer-engine: megatron's TE layer spec (TE's norms handle sequence
@@ -260,6 +317,8 @@ def _layer_spec(config: Any, on_gpu: bool, vp_stage: int | None) -> Any:
     :class:`~reco_megatron.megatron.norm.SequenceParallelNorm` in place of its torch norms, in
     every layer and as the block's final norm (which megatron would otherwise take from a
     module-level default), so the same spec runs with and without ``sequence_parallel``.
+    The family's QK layernorm and MoE layers (local experts, no grouped GEMM) come from
+    megatron's own spec function.
     """
     from megatron.core.models.gpt import gpt_layer_specs as specs
     from megatron.core.transformer.transformer_block import (
@@ -269,9 +328,14 @@ def _layer_spec(config: Any, on_gpu: bool, vp_stage: int | None) -> Any:
 
     from reco_megatron.megatron.norm import SequenceParallelNorm
 
+    family = {
+        "num_experts": model.moe.num_experts if model.moe is not None else None,
+        "moe_grouped_gemm": False,
+        "qk_layernorm": model.traits.qk_layernorm,
+    }
     if layer_backend(on_gpu) == "transformer_engine":
-        return specs.get_gpt_layer_with_transformer_engine_spec()
-    local = specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        return specs.get_gpt_layer_with_transformer_engine_spec(**family)
+    local = specs.get_gpt_layer_local_spec(normalization="RMSNorm", **family)
     layer = _with_norm(local, SequenceParallelNorm)
     return TransformerBlockSubmodules(
         layer_specs=[layer] * get_num_layers_to_build(config, vp_stage=vp_stage),
@@ -311,7 +375,7 @@ def build_model(
         kwargs["vp_stage"] = vp_stage
     return build_gpt_model(
         config=config,
-        transformer_layer_spec=_layer_spec(config, on_gpu, vp_stage),
+        transformer_layer_spec=_layer_spec(model, config, on_gpu, vp_stage),
         vocab_size=model.padded_vocab_size(tp),
         max_sequence_length=model.max_position_embeddings,
         pre_process=pre_process,

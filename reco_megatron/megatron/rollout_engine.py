@@ -36,6 +36,17 @@ therefore switches it off for the duration of :meth:`MegatronDecoder.decode`
 (:func:`sequence_parallel_off`: the config flag and the modules' copies of it, restored after)
 and runs the plain tensor-parallel forward, which computes the same function of the same
 weights; the training passes keep sequence parallelism.
+
+Mixture-of-experts models: with ``routing`` (the trainer's
+:class:`~reco_megatron.megatron.routing.MoERouting`) the decoder records which experts every
+fed position was routed to in every layer and returns them per row (``Decoded.routed_experts``,
+``[positions, layers, top-k]``, ``-1`` where a position was never fed: the last sampled token)
+for routing replay; pipeline stages exchange their layers' records at the end. With expert
+parallelism the ranks of an EP group exchange tokens inside every MoE layer, so they must run
+the same number of forwards although they decode different prompts: each step they agree
+(one all-reduce over the EP group) whether anyone still decodes, and a rank that has finished
+joins with a one-token forward without the KV cache until all have (:meth:`decode_idle` does
+the same for a whole call a rank has no rows for).
 """
 
 from __future__ import annotations
@@ -95,11 +106,14 @@ def sequence_parallel_off(model: Any) -> Iterator[None]:
 
 @dataclass(frozen=True)
 class Decoded:
-    """One row's result: response tokens, their log-probs, and whether a stop id ended it."""
+    """One row's result: response tokens, their log-probs, whether a stop id ended it, and
+    (MoE models, when recording) the experts of every position, ``[prompt + response, layers,
+    top-k]`` int16 with ``-1`` where unknown."""
 
     token_ids: list[int]
     logprobs: list[float]
     stopped: bool
+    routed_experts: torch.Tensor | None = None
 
 
 class MegatronDecoder:
@@ -112,6 +126,9 @@ class MegatronDecoder:
         max_model_len: longest ``prompt + response``; sizes the KV cache.
         max_batch_size: rows per forward; sizes the KV cache.
         pad_id: token fed by rows that already finished (never read: it follows the stop).
+        routing: the policy's :class:`~reco_megatron.megatron.routing.MoERouting` (MoE
+            models); with ``record_routing`` the decoder returns the routed experts.
+        record_routing: record each position's experts (routing replay).
     """
 
     def __init__(
@@ -122,6 +139,8 @@ class MegatronDecoder:
         max_model_len: int,
         max_batch_size: int,
         pad_id: int = 0,
+        routing: Any = None,
+        record_routing: bool = False,
     ) -> None:
         from megatron.core import parallel_state as ps
 
@@ -148,6 +167,13 @@ class MegatronDecoder:
         self._last_rank = ranks[-1]
         self.device = next(self.model.parameters()).device
         self._context: Any = None
+        if record_routing and routing is None:
+            raise ValueError(
+                "record_routing needs the model's routing (a mixture-of-experts model)"
+            )
+        self.routing = routing if record_routing else None
+        ep = ps.get_expert_model_parallel_world_size() if routing is not None else 1
+        self._ep_group = ps.get_expert_model_parallel_group() if ep > 1 else None
 
     # ----------------------------------------------------------------- the KV cache
     @property
@@ -204,6 +230,81 @@ class MegatronDecoder:
         dist.broadcast(box, src=self._last_rank, group=self.pp_group)
         return box[0].long(), box[1].float()
 
+    def _idle_forward(self) -> None:
+        """A one-token forward without the KV cache: this rank's part of an MoE step of its
+        expert-parallel peers (its output is dropped)."""
+        tokens = torch.full((1, 1), self.pad_id, dtype=torch.long, device=self.device)
+        positions = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        recv = None
+        if not self.first_stage:
+            dtype = self.config.pipeline_dtype or self.config.params_dtype
+            recv = torch.empty(1, 1, self.config.hidden_size, dtype=dtype, device=self.device)
+            dist.recv(recv, src=self._prev_rank, group=self.pp_group)
+        self.model.set_input_tensor(recv)
+        out = self.model(tokens, positions, None)
+        if not self.last_stage:
+            dist.send(out.contiguous(), dst=self._next_rank, group=self.pp_group)
+        if self.routing is not None:
+            self.routing.take_records()
+
+    def _anyone_decoding(self, mine: bool) -> bool:
+        """Whether any rank of the expert-parallel group still decodes (collective there);
+        just ``mine`` without expert parallelism."""
+        if self._ep_group is None:
+            return mine
+        from reco_megatron.megatron.device import collective_device
+
+        flag = torch.tensor([1 if mine else 0], dtype=torch.int32)
+        flag = flag.to(collective_device(self._ep_group))
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._ep_group)
+        return bool(flag.item())
+
+    def lockstep_calls(self, calls: int) -> int:
+        """The most :meth:`decode` calls any rank of the expert-parallel group makes for one
+        ``generate`` (collective there); ``calls`` without expert parallelism. A rank with
+        fewer calls makes up the difference with :meth:`decode_idle`."""
+        if self._ep_group is None:
+            return calls
+        from reco_megatron.megatron.device import collective_device
+
+        most = torch.tensor([calls], dtype=torch.int64).to(collective_device(self._ep_group))
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self._ep_group)
+        return int(most.item())
+
+    @torch.no_grad()
+    def decode_idle(self) -> None:
+        """Take part in the MoE forwards of expert-parallel peers that still decode a call
+        this rank has no rows for (returns at once without expert parallelism)."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with sequence_parallel_off(self.model):  # as in decode: one position per row
+                while self._anyone_decoding(False):
+                    self._idle_forward()
+        finally:
+            self.model.set_input_tensor(None)
+            self.model.train(was_training)
+
+    def _record(self, routed: torch.Tensor, start: int, end: int, b: int) -> None:
+        """Store the experts of positions ``[start, end)`` of the last forward."""
+        assert self.routing is not None
+        records = self.routing.take_records()
+        for j, layer in enumerate(sorted(records)):
+            chosen = records[layer].view(end - start, b, -1).transpose(0, 1)
+            routed[:, start:end, j] = chosen.to("cpu", routed.dtype)
+
+    def _routed_all_layers(self, routed: torch.Tensor) -> torch.Tensor:
+        """``[b, T, layers, k]`` with every pipeline stage's layers (collective over PP)."""
+        if self.pp_size == 1:
+            return routed
+        from reco_megatron.megatron.device import collective_device
+
+        device = collective_device(self.pp_group)
+        local = routed.to(device, torch.int32)
+        parts = [torch.empty_like(local) for _ in range(self.pp_size)]
+        dist.all_gather(parts, local, group=self.pp_group)
+        return torch.cat([p.cpu() for p in parts], dim=2).to(routed.dtype)
+
     # ----------------------------------------------------------------- the loop
     @torch.no_grad()
     def decode(
@@ -236,6 +337,17 @@ class MegatronDecoder:
         for r, p in enumerate(prompts):
             buf[r, : len(p)] = torch.tensor(list(p), dtype=torch.long)
         stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.long)
+        routed = None
+        if self.routing is not None:
+            from reco_megatron.megatron.routing import MISSING, routed_dtype
+
+            layers = len(self.routing.routers)
+            routed = torch.full(
+                (b, total, layers, self.routing.topk),
+                MISSING,
+                dtype=routed_dtype(self.routing.num_experts),
+            )
+            self.routing.record_all(True)
         out_tok = torch.zeros(b, max_new, dtype=torch.long)
         out_lp = torch.zeros(b, max_new, dtype=torch.float32)
         count = torch.zeros(b, dtype=torch.long)
@@ -248,11 +360,18 @@ class MegatronDecoder:
         ctx.reset()
         start, end = 0, int(lengths.min())
         with sequence_parallel_off(self.model):
+            finished = False
             try:
-                while True:
+                while self._anyone_decoding(not finished):
+                    if finished:  # expert-parallel peers still decode
+                        self._idle_forward()
+                        continue
                     step_tokens = buf[:, start:end].to(self.device)
                     positions = torch.arange(start, end, device=self.device).expand(b, -1)
                     logits = self._forward(step_tokens, positions)
+                    if routed is not None:
+                        self._record(routed, start, end, b)
+                    fed = end
                     active = (lengths <= end) & ~stopped & (count < max_new)
                     if self.last_stage:
                         uniforms = noise[rows, count.clamp(max=max_new - 1)]
@@ -271,7 +390,8 @@ class MegatronDecoder:
                     stopped[idx] |= torch.isin(tok[idx], stops)
                     done = stopped | (count >= max_new)
                     if bool(done.all()) or end + 1 >= total:
-                        break
+                        finished = True
+                        continue
                     if bool((lengths <= end + 1).all()):
                         ctx.enable_decode_mode()
                     start, end = end, end + 1
@@ -279,11 +399,20 @@ class MegatronDecoder:
                 ctx.reset()
                 self.model.set_input_tensor(None)
                 self.model.train(was_training)
-        return [
-            Decoded(
-                token_ids=out_tok[r, : int(count[r])].tolist(),
-                logprobs=out_lp[r, : int(count[r])].tolist(),
-                stopped=bool(stopped[r]),
+                if self.routing is not None:
+                    self.routing.record_all(False)
+        if routed is not None:
+            routed = self._routed_all_layers(routed)
+            routed[:, fed:] = MISSING  # positions never fed (the last sampled tokens)
+        rows = []
+        for r in range(b):
+            n = int(count[r])
+            rows.append(
+                Decoded(
+                    token_ids=out_tok[r, :n].tolist(),
+                    logprobs=out_lp[r, :n].tolist(),
+                    stopped=bool(stopped[r]),
+                    routed_experts=None if routed is None else routed[r, : int(lengths[r]) + n],
+                )
             )
-            for r in range(b)
-        ]
+        return rows

@@ -10,6 +10,7 @@ budget runs with pipeline parallelism.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -131,10 +132,13 @@ class MicroBatcher:
         ctx: LossContext,
         device: torch.device,
         forward_only: bool,
+        iterators: Callable[[list[RolloutBatch]], Any] | None = None,
     ) -> tuple[list[Any], MicroBatchPlan]:
         """Run ``batch`` (on ``device``) through megatron's schedule, one ``loss_func`` call
         per micro-batch on the last stage; returns the schedule's per-micro-batch outputs and
-        the plan they follow."""
+        the plan they follow. ``iterators(micro-batches)``: the schedule's data iterator(s)
+        instead of plain ones (mixture-of-experts routing sets each micro-batch's routers as
+        it is drawn); not with packed rows."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         plan = self.plan(batch)
@@ -151,9 +155,17 @@ class MicroBatcher:
         else:
             mbs = [take_rows(batch, r, s) for r, s in zip(plan.rows, plan.lengths, strict=True)]
             step = make_forward_step(loss_func, ctx, device)
-        data: Any = iter(mbs)
-        if len(model) > 1:  # virtual pipeline: one iterator per chunk
+        if iterators is not None:
+            if plan.packed:
+                raise ValueError(  # the pre-flight refuses packing with model.moe first
+                    "packed rows (update.sequence_packing) with a mixture-of-experts model are "
+                    "not supported: set update.sequence_packing=false"
+                )
+            data: Any = iterators(mbs)
+        elif len(model) > 1:  # virtual pipeline: one iterator per chunk
             data = [iter(mbs) for _ in model]
+        else:
+            data = iter(mbs)
         parts = get_forward_backward_func()(
             forward_step_func=step,
             data_iterator=data,

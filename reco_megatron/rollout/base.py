@@ -114,6 +114,11 @@ class Completion:
     finish_reason: FinishReason
     """``"stop"`` (an eos/stop token was sampled) or ``"length"`` (``max_new_tokens`` hit)."""
 
+    routed_experts: torch.Tensor | None = None
+    """Mixture-of-experts models, when the engine records routing: ``[P + T, layers, top-k]``
+    int16, the experts each position of ``prompt + token_ids`` was routed to in each MoE layer
+    (``-1`` where the engine did not run the position, e.g. the last token)."""
+
     def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.logprobs):
             raise ValueError(

@@ -43,6 +43,7 @@ from reco_megatron.rollout.base import (
     SamplingArg,
     SamplingParams,
 )
+from reco_megatron.rollout.fused_experts import fused_slot, slots_per_fused
 from reco_megatron.rollout.sampling import (
     SeededCalls,
     call_seed,
@@ -176,7 +177,9 @@ class EmbeddedEngine(SeededCalls, RolloutEngine):
         :meth:`~reco_megatron.rollout.base.RolloutEngine.update_weights` calls this).
 
         Every parameter and persistent buffer must arrive exactly once (tied weights, e.g.
-        ``lm_head.weight`` sharing ``model.embed_tokens.weight``, are satisfied by either name);
+        ``lm_head.weight`` sharing ``model.embed_tokens.weight``, are satisfied by either name;
+        a transformers-5 fused expert tensor by every expert's checkpoint tensor,
+        :mod:`~reco_megatron.rollout.fused_experts`);
         unknown names, shape mismatches and missing names raise :class:`ValueError` listing them
         after the whole stream was read. Tensors are cast to the model's dtype and device.
         """
@@ -193,23 +196,29 @@ class EmbeddedEngine(SeededCalls, RolloutEngine):
         unknown: list[str] = []
         bad_shape: list[str] = []
         duplicate: list[str] = []
+        fused_left = slots_per_fused(targets)  # transformers 5 MoE: experts in 3-D tensors
         with torch.no_grad():
             for name, tensor in stream:
-                if name not in targets:
+                slot = fused_slot(name, targets) if name not in targets else None
+                if name not in targets and slot is None:
                     unknown.append(name)
                     continue
                 if name in seen:
                     duplicate.append(name)
                     continue
                 seen.add(name)
-                target = targets[name]
+                target = targets[name] if slot is None else targets[slot[0]].detach()[slot[1]]
                 if tuple(tensor.shape) != tuple(target.shape):
                     bad_shape.append(
                         f"{name}: got {tuple(tensor.shape)}, expected {tuple(target.shape)}"
                     )
                     continue
                 target.detach().copy_(tensor.detach())
-                loaded.add(group_of[name])
+                if slot is not None:
+                    fused_left[slot[0]] -= 1
+                    if fused_left[slot[0]]:
+                        continue  # the fused tensor is loaded once every expert's part is in
+                loaded.add(group_of[name if slot is None else slot[0]])
         missing = [names[0] for key, names in groups.items() if key not in loaded]
         problems = []
         if unknown:

@@ -46,6 +46,7 @@ class DecodedRow(Protocol):
     token_ids: list[int]
     logprobs: list[float]
     stopped: bool
+    routed_experts: torch.Tensor | None
 
 
 class ModelDecoder(Protocol):
@@ -157,6 +158,7 @@ class MegatronEngine(SeededCalls, RolloutEngine):
         start = time.perf_counter()
         out: list[list[Completion | None]] = [[None] * n for _ in prompt_token_ids]
         size = self.decoder.max_batch_size
+        calls = []
         for setting, members in group_by_setting(params).items():
             stop_ids = sorted(set(self.config.eos_token_ids) | set(setting.stop_token_ids))
             # Rows of similar prompt length share a chunk: the decoder feeds the longer prompts
@@ -167,22 +169,29 @@ class MegatronEngine(SeededCalls, RolloutEngine):
                 key=lambda row: len(prompt_token_ids[row[0]]),
             )
             sample = partial(sample_next, sampling=setting)
-            for lo in range(0, len(rows), size):
-                chunk = rows[lo : lo + size]
-                decoded = self.decoder.decode(
-                    [prompt_token_ids[i] for i, _ in chunk],
-                    torch.stack([noise[i][j] for i, j in chunk]),
-                    stop_ids,
-                    sample,
+            calls += [(rows[lo : lo + size], stop_ids, sample) for lo in range(0, len(rows), size)]
+        # Expert-parallel decoders run their MoE layers together: every rank makes as many
+        # decode calls as the busiest (the others idle); other decoders have no such method.
+        lockstep = getattr(self.decoder, "lockstep_calls", None)
+        idle = (lockstep(len(calls)) if lockstep is not None else len(calls)) - len(calls)
+        for chunk, stop_ids, sample in calls:
+            decoded = self.decoder.decode(
+                [prompt_token_ids[i] for i, _ in chunk],
+                torch.stack([noise[i][j] for i, j in chunk]),
+                stop_ids,
+                sample,
+            )
+            for (i, j), row in zip(chunk, decoded, strict=True):
+                out[i][j] = Completion(
+                    prompt_index=i,
+                    sample_index=j,
+                    token_ids=list(row.token_ids),
+                    logprobs=list(row.logprobs),
+                    finish_reason="stop" if row.stopped else "length",
+                    routed_experts=getattr(row, "routed_experts", None),
                 )
-                for (i, j), row in zip(chunk, decoded, strict=True):
-                    out[i][j] = Completion(
-                        prompt_index=i,
-                        sample_index=j,
-                        token_ids=list(row.token_ids),
-                        logprobs=list(row.logprobs),
-                        finish_reason="stop" if row.stopped else "length",
-                    )
+        for _ in range(idle):
+            self.decoder.decode_idle()
         if self.config.release_cache_after_generate:
             self._release_memory()
         logger.debug(

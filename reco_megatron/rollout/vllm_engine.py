@@ -118,6 +118,10 @@ class VLLMEngineConfig:
     """Reuse KV blocks of shared prompt prefixes (the G copies of a prompt); reset on every
     weight update."""
 
+    return_routed_experts: bool = False
+    """Mixture-of-experts models: have vLLM return each position's experts
+    (``enable_return_routed_experts``, for routing replay; see ``vllm_requests``)."""
+
     extra_llm_kwargs: dict[str, Any] | None = None
     """More keyword arguments for ``vllm.LLM`` (must not override the ones set here)."""
 
@@ -152,6 +156,8 @@ class VLLMEngineConfig:
             "enable_sleep_mode": True,
             "logprobs_mode": "processed_logprobs",
         }
+        if self.return_routed_experts:
+            kwargs["enable_return_routed_experts"] = True
         extra = dict(self.extra_llm_kwargs or {})
         clash = sorted(set(extra) & set(kwargs))
         if clash:
@@ -284,7 +290,10 @@ class VLLMEngine(RolloutEngine):
                 "the rollout settings (rollout.temperature must be in "
                 f"[{VLLM_MIN_TEMPERATURE}, {VLLM_MAX_TEMPERATURE}] for vLLM)"
             ) from err
-        return copy_greedy_samples(completions_from_outputs(outputs, counts), n)
+        routed = self.config.return_routed_experts
+        return copy_greedy_samples(
+            completions_from_outputs(outputs, counts, routed_experts=routed), n
+        )
 
     def _load_weights(self, stream: Iterator[tuple[str, torch.Tensor]]) -> None:
         """Push HF-named full tensors through the model's own ``load_weights`` (TP-sharding

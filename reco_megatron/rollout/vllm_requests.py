@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+import torch
+
 from reco_megatron.rollout.base import Completion, SamplingParams
 from reco_megatron.rollout.sampling import call_seed
 
@@ -75,15 +77,50 @@ def request_seeds(params: Sequence[SamplingParams]) -> list[int | None]:
     return seeds
 
 
+ROUTED_EXPERTS_HELP = (
+    "vLLM returns the routed experts of a mixture-of-experts model with "
+    "LLM(..., enable_return_routed_experts=True) (vLLM >= 0.21: RequestOutput."
+    "prompt_routed_experts [prompt, layers, top-k] and CompletionOutput.routed_experts "
+    "[generated, layers, top-k]; newer releases also need Model Runner V2 and prefix caching "
+    "and refuse pipeline parallelism)"
+)
+
+
+def routed_experts_of(request: Any, sample: Any, length: int) -> torch.Tensor:
+    """``[length, layers, top-k]`` int16 experts of ``prompt + response`` (``length``
+    positions) from vLLM's prompt and per-sample arrays; the last position, which vLLM never
+    runs, is ``-1`` when it is missing. Raises naming what vLLM returned otherwise."""
+    prompt = getattr(request, "prompt_routed_experts", None)
+    generated = getattr(sample, "routed_experts", None)
+    if prompt is None or generated is None:
+        raise RuntimeError(f"vLLM returned no routed experts: {ROUTED_EXPERTS_HELP}")
+    parts = [torch.as_tensor(prompt), torch.as_tensor(generated)]
+    if parts[0].dim() != 3 or parts[1].dim() != 3 or parts[0].shape[1:] != parts[1].shape[1:]:
+        raise RuntimeError(
+            f"vLLM's routed experts have shapes {[tuple(p.shape) for p in parts]}; expected "
+            "[positions, layers, top-k] for the prompt and the response"
+        )
+    routed = torch.cat(parts).to(torch.int16)
+    if routed.shape[0] == length - 1:
+        routed = torch.cat([routed, torch.full_like(routed[:1], -1)])
+    if routed.shape[0] != length:
+        raise RuntimeError(
+            f"vLLM's routed experts cover {routed.shape[0]} positions of a {length}-token "
+            "prompt + response (expected it, or one fewer)"
+        )
+    return routed
+
+
 def completions_from_outputs(
-    outputs: Sequence[Any], n: int | Sequence[int]
+    outputs: Sequence[Any], n: int | Sequence[int], *, routed_experts: bool = False
 ) -> list[list[Completion]]:
     """Convert vLLM ``RequestOutput`` objects (one per prompt, in order) to completions;
     ``n`` is the number of samples asked per prompt (one int, or one per prompt).
 
     Reads only public fields: ``output.outputs[j].token_ids``, ``.logprobs`` (one mapping per
-    sampled token, ``token_id -> Logprob(logprob=...)``) and ``.finish_reason``. An ``"abort"``
-    or a missing log-prob raises: the trainer must never train on a half-reported sample.
+    sampled token, ``token_id -> Logprob(logprob=...)``) and ``.finish_reason``, and with
+    ``routed_experts`` the routing arrays (:func:`routed_experts_of`). An ``"abort"`` or a
+    missing log-prob raises: the trainer must never train on a half-reported sample.
     """
     counts = [n] * len(outputs) if isinstance(n, int) else list(n)
     if len(counts) != len(outputs):
@@ -114,6 +151,10 @@ def completions_from_outputs(
                     f"prompt {i} sample {j}: finish_reason {sample.finish_reason!r} "
                     "(aborted request?)"
                 )
+            routed = None
+            if routed_experts:
+                length = len(request.prompt_token_ids) + len(token_ids)
+                routed = routed_experts_of(request, sample, length)
             group.append(
                 Completion(
                     prompt_index=i,
@@ -121,6 +162,7 @@ def completions_from_outputs(
                     token_ids=token_ids,
                     logprobs=logprobs,
                     finish_reason=sample.finish_reason,
+                    routed_experts=routed,
                 )
             )
         result.append(group)

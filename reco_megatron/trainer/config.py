@@ -301,6 +301,24 @@ class TrainConfig:
             )
         if self.rollout.engine == "megatron":
             self._check_megatron_rollout()
+        self._check_routing_replay()
+
+    def _check_routing_replay(self) -> None:
+        """Routing replay needs an MoE model and an engine that reports its routing."""
+        mode = self.update.routing_replay
+        if mode == "off":
+            return
+        if self.model.moe is None:
+            raise ValueError(
+                f"update.routing_replay={mode!r} needs a mixture-of-experts model (model.moe); "
+                "set it to 'off' for a dense model"
+            )
+        if self.rollout.engine == "embedded":
+            raise ValueError(
+                f"update.routing_replay={mode!r} with rollout.engine=embedded: transformers "
+                "does not report the experts it routes to; use rollout.engine=megatron (or "
+                "vllm with routed-experts return), or update.routing_replay=off"
+            )
 
     def _check_megatron_rollout(self) -> None:
         """What the megatron engine cannot do, caught before any process group starts."""
@@ -319,10 +337,12 @@ class TrainConfig:
                 "sequence over context-parallel ranks): set it to 1 or use rollout.engine=vllm"
             )
         mp = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
+        mp *= p.expert_model_parallel_size
         if self.eval.interval and mp > 1:
             raise ValueError(
-                f"eval.interval={self.eval.interval} with rollout.engine=megatron and TP x PP = "
-                f"{mp}: coverage evaluation generates on global rank 0 alone, but the megatron "
-                "engine is collective over the model-parallel group; set eval.interval=0 (and "
-                "run reco-eval on a checkpoint) or use rollout.engine=embedded"
+                f"eval.interval={self.eval.interval} with rollout.engine=megatron and TP x PP x "
+                f"EP = {mp}: coverage evaluation generates on global rank 0 alone, but the "
+                "megatron engine is collective over the model-parallel (and expert-parallel) "
+                "group; set eval.interval=0 (and run reco-eval on a checkpoint) or use "
+                "rollout.engine=embedded"
             )

@@ -251,7 +251,13 @@ class Trainer:
         times["time_reward"] = time.perf_counter() - t0
 
         batch = build_rollout_batch(
-            prompts, responses, logprobs, advantages, g, self.tokenizer.pad_id
+            prompts,
+            responses,
+            logprobs,
+            advantages,
+            g,
+            self.tokenizer.pad_id,
+            routed_experts=[c.routed_experts for group in completions for c in group],
         )
         self.rollout.sleep()  # vLLM frees its memory for the update; sync_weights wakes it
         prepared, prep = self.engine.prepare(batch)

@@ -19,6 +19,13 @@ activations, sequence parallelism, flash attention and no recomputation:
 ``s * b * (10 h + 4 kv + 6 F) / (TP * CP)`` bytes per layer, plus fp32 logits and their
 gradient on the last stage. Two numbers are assumptions to confirm on the first GPU run
 (:data:`VLLM_OTHER_BYTES`, :data:`CONTEXT_BYTES`).
+
+Mixture-of-experts models (``model.moe``): the routed experts are split over EP x expert-TP
+ranks (and PP), everything else over TP (and PP); the distributed optimizer shards the
+experts' Adam state over their own data-parallel group, ``TP x CP x DP / (EP x expert-TP)``
+ranks, the rest over DP. A MoE layer's MLP term is ``k (4 h + 6 F_e / expert-TP) + 8 N``
+per token (each token's k copies dispatched in and out, the experts' SwiGLU, fp32 router
+logits and probabilities) in place of ``6 F``: an estimate, like the dense one.
 """
 
 from __future__ import annotations
@@ -40,14 +47,21 @@ CONTEXT_BYTES = 2 * GIB
 """CUDA context, NCCL buffers and allocator fragmentation per process: an assumption."""
 
 
-def stage_parameters(model: ModelConfig, parallel: ParallelConfig, stage: int) -> int:
-    """Parameter elements on one rank of pipeline stage ``stage``: exact, as megatron builds it.
+_REPLICATED = ("layernorm.weight", "q_norm.weight", "k_norm.weight", "mlp.gate.weight")
+"""Per-layer parameters every TP rank holds whole: the norms (QK norms included) and the MoE
+router (megatron keeps it replicated)."""
 
-    Each of its ``L / PP`` layers holds ``1/TP`` of the attention and MLP matrices (and QKV
-    bias) and the whole of its two norms (replicated over TP); the first stage adds its shard
-    of the embedding, the last stage the final norm and its shard of the output layer (a copy
-    of the embedding when they are tied and PP > 1), both at megatron's padded vocabulary.
-    Checked against the models megatron builds (``megatron.memory_census``).
+
+def stage_split(model: ModelConfig, parallel: ParallelConfig, stage: int) -> tuple[int, int]:
+    """``(dense, expert)`` parameter elements on one rank of pipeline stage ``stage``: exact,
+    as megatron builds it.
+
+    Each of its ``L / PP`` layers holds ``1/TP`` of the attention and dense MLP matrices (and
+    QKV bias), the whole of its norms and router (replicated over TP), and ``1/(EP x
+    expert-TP)`` of the routed experts; the first stage adds its shard of the embedding, the
+    last stage the final norm and its shard of the output layer (a copy of the embedding
+    when they are tied and PP > 1), both at megatron's padded vocabulary. Checked against
+    the models megatron builds (``megatron.memory_census``).
     """
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     if not 0 <= stage < pp:
@@ -55,17 +69,25 @@ def stage_parameters(model: ModelConfig, parallel: ParallelConfig, stage: int) -
     layer = [
         (k, math.prod(v)) for k, v in hf_shapes(model).items() if k.startswith("model.layers.0.")
     ]
-    replicated = sum(n for k, n in layer if k.endswith("layernorm.weight"))
-    sharded = sum(n for k, n in layer if not k.endswith("layernorm.weight"))
-    out = model.num_layers // pp * (sharded // tp + replicated)
+    expert = sum(n for k, n in layer if ".mlp.experts." in k)
+    replicated = sum(n for k, n in layer if k.endswith(_REPLICATED))
+    sharded = sum(n for _, n in layer) - expert - replicated
+    layers = model.num_layers // pp
+    dense = layers * (sharded // tp + replicated)
     table = model.padded_vocab_size(tp) // tp * model.hidden_size
     if stage == 0:
-        out += table
+        dense += table
     if stage == pp - 1:
-        out += model.hidden_size  # final norm
+        dense += model.hidden_size  # final norm
         if not model.tie_word_embeddings or pp > 1:
-            out += table
-    return out
+            dense += table
+    ep_etp = parallel.expert_model_parallel_size * parallel.expert_tensor_size()
+    return dense, layers * expert // ep_etp
+
+
+def stage_parameters(model: ModelConfig, parallel: ParallelConfig, stage: int) -> int:
+    """Parameter elements on one rank of pipeline stage ``stage`` (:func:`stage_split`)."""
+    return sum(stage_split(model, parallel, stage))
 
 
 @dataclass(frozen=True)
@@ -87,10 +109,22 @@ def stage_state(
 ) -> ModelState:
     """Weights (parameter dtype), fp32 gradient buffer (``grad_reduce_in_fp32``) and Adam
     state (fp32 m and v, plus an fp32 master copy of bf16/fp16 parameters; sharded over DP by
-    the distributed optimizer) of one rank of pipeline stage ``stage``."""
-    shard = stage_parameters(model, parallel, stage)
+    the distributed optimizer, the routed experts' over ``TP x CP x DP / (EP x expert-TP)``)
+    of one rank of pipeline stage ``stage``."""
+    dense, expert = stage_split(model, parallel, stage)
+    shard = dense + expert
     master = 0 if model.params_dtype == "float32" else 4
-    opt_shard = shard / data_parallel_size if distributed_optimizer else shard
+    opt_shard = shard
+    if distributed_optimizer:  # the experts' Adam state over their own data-parallel group
+        p = parallel
+        expert_dp = max(
+            p.tensor_model_parallel_size
+            * p.context_parallel_size
+            * data_parallel_size
+            // (p.expert_model_parallel_size * p.expert_tensor_size()),
+            1,
+        )
+        opt_shard = dense / data_parallel_size + expert / expert_dp
     return ModelState(
         weights=shard * DTYPE_BYTES[model.params_dtype],
         grads=shard * 4,
@@ -141,6 +175,17 @@ class ColocationBudget:
         }
 
 
+def parameter_counts(model: ModelConfig) -> tuple[int, int]:
+    """``(dense, expert)``: parameters outside and inside the routed experts (whole model)."""
+    dense = expert = 0
+    for name, shape in hf_shapes(model).items():
+        if ".mlp.experts." in name:
+            expert += math.prod(shape)
+        else:
+            dense += math.prod(shape)
+    return dense, expert
+
+
 def colocation_budget(
     model: ModelConfig,
     parallel: ParallelConfig,
@@ -161,7 +206,8 @@ def colocation_budget(
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     cp, mb = parallel.context_parallel_size, parallel.micro_batch_size
     tokens = tokens_per_microbatch or max_seq_len * mb
-    n = sum(math.prod(shape) for shape in hf_shapes(model).values())
+    dense, experts = parameter_counts(model)
+    n = dense + experts
     p_bytes = DTYPE_BYTES[model.params_dtype]
     state = max(
         (
@@ -178,7 +224,11 @@ def colocation_budget(
     )
     h, f = model.hidden_size, model.ffn_hidden_size
     kv = model.query_groups * model.head_dim
-    per_layer = tokens * (10 * h + 4 * kv + 6 * f) / (tp * cp)
+    mlp = 6 * f
+    if model.moe is not None:
+        moe, etp = model.moe, parallel.expert_tensor_size()
+        mlp = moe.router_topk * (4 * h + 6 * moe.ffn_hidden_size / etp) + 8 * moe.num_experts
+    per_layer = tokens * (10 * h + 4 * kv + mlp) / (tp * cp)
     vp = parallel.virtual_pipeline_model_parallel_size or 1
     in_flight = model.num_layers * (1 + (pp - 1) / (pp * vp)) if pp > 1 else model.num_layers
     logits = tokens * model.padded_vocab_size(tp) / (tp * cp) * (2 + 4 + 4)
@@ -236,6 +286,12 @@ EXAMPLES = (
 )
 """The examples whose step is tabulated in ``docs/rollout.md`` (label, config, DP size)."""
 
+MOE_EXAMPLES = (
+    ("30B-A3B, 2 nodes (TP 4, EP 4, DP 4)", "examples/qwen3-30b-a3b.yaml", 4),
+    ("30B-A3B, 4 nodes (TP 4, EP 4, DP 8)", "examples/qwen3-30b-a3b.yaml", 8),
+)
+"""The mixture-of-experts example, tabulated in ``docs/moe.md``."""
+
 
 def colocation_table(budgets: dict[str, ColocationBudget]) -> str:
     """A markdown table (GiB per GPU) of the items and phases of each budget."""
@@ -265,13 +321,16 @@ def colocation_table(budgets: dict[str, ColocationBudget]) -> str:
     return "\n".join(lines)
 
 
-def example_budgets(gpu_bytes: int = H100_80GB_BYTES) -> dict[str, ColocationBudget]:
-    """:data:`EXAMPLES` as budgets (the configs are read from the repository root)."""
+def example_budgets(
+    gpu_bytes: int = H100_80GB_BYTES, examples: tuple[tuple[str, str, int], ...] = EXAMPLES
+) -> dict[str, ColocationBudget]:
+    """``examples`` (default :data:`EXAMPLES`) as budgets (configs read from the repository
+    root)."""
     from reco_megatron.config import load_config
     from reco_megatron.trainer.config import TrainConfig
 
     out = {}
-    for label, path, dp in EXAMPLES:
+    for label, path, dp in examples:
         cfg = load_config(TrainConfig, path, [])
         out[label] = colocation_budget(
             cfg.model,
@@ -287,7 +346,8 @@ def example_budgets(gpu_bytes: int = H100_80GB_BYTES) -> dict[str, ColocationBud
     return out
 
 
-if __name__ == "__main__":  # the table of docs/rollout.md: python -m reco_megatron.trainer.memory
+if __name__ == "__main__":  # tables of docs/rollout.md and docs/moe.md: python -m ...memory
     import sys
 
-    sys.stdout.write(colocation_table(example_budgets()) + "\n")
+    sys.stdout.write(colocation_table(example_budgets()) + "\n\n")
+    sys.stdout.write(colocation_table(example_budgets(examples=MOE_EXAMPLES)) + "\n")

@@ -118,6 +118,12 @@ def _token_budget(cfg: TrainConfig, per_mini: int | None, problems: list[str]) -
             "update.sequence_packing=true with context_parallel_size > 1 is not supported: "
             "set update.sequence_packing=false"
         )
+    if u.sequence_packing and cfg.model.moe is not None:
+        problems.append(
+            "update.sequence_packing=true with a mixture-of-experts model (model.moe) is not "
+            "supported: its routing replay and auxiliary-loss bookkeeping run per padded row; "
+            "set update.sequence_packing=false (token-budget micro-batches still apply)"
+        )
 
 
 def _batches(cfg: TrainConfig, dp: int, problems: list[str]) -> None:

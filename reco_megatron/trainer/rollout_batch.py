@@ -23,6 +23,7 @@ def build_rollout_batch(
     group_size: int,
     pad_id: int,
     pad_to_multiple: int = 8,
+    routed_experts: Sequence[torch.Tensor | None] | None = None,
 ) -> RolloutBatch:
     """A right-padded batch of ``len(responses)`` rows (group-major, ``G`` rows per prompt).
 
@@ -34,6 +35,10 @@ def build_rollout_batch(
         pad_id: id written into padding (never scored: the mask is 0 there).
         pad_to_multiple: the length ``L - 1`` the model sees is rounded up to this multiple
             (fewer distinct shapes; sequence/context parallel need divisibility).
+        routed_experts: per row, the rollout's experts of every position of ``prompt +
+            response`` (``[P + T, layers, top-k]``, from :class:`Completion`), or None; they
+            become ``RolloutBatch.routed_experts`` at input positions ``0 .. L-2`` (``-1``
+            where unknown, padding included).
     """
     n = len(responses)
     if n != len(prompts) * group_size or n != len(response_logprobs):
@@ -65,4 +70,31 @@ def build_rollout_batch(
         advantages=advantages.float(),
         group_size=group_size,
         rollout_logprobs=logprobs,
+        routed_experts=_routed(routed_experts, rows, seq),
     )
+
+
+def _routed(
+    per_row: Sequence[torch.Tensor | None] | None, rows: list[list[int]], seq: int
+) -> torch.Tensor | None:
+    """``[B, seq, layers, k]`` int16 from each row's ``[len(row), layers, k]`` (``-1`` fill)."""
+    if per_row is None or all(r is None for r in per_row):
+        return None
+    if any(r is None for r in per_row) or len(per_row) != len(rows):
+        raise ValueError(
+            "routed experts are missing for some responses: the rollout engine must return "
+            "them for every response or none"
+        )
+    first = per_row[0]
+    assert first is not None
+    out = torch.full((len(rows), seq, *first.shape[1:]), -1, dtype=torch.int16)
+    for i, (row, routed) in enumerate(zip(rows, per_row, strict=True)):
+        assert routed is not None
+        if routed.shape[0] != len(row) or routed.shape[1:] != first.shape[1:]:
+            raise ValueError(
+                f"response {i}: routed experts {tuple(routed.shape)} for {len(row)} tokens "
+                f"(expected [{len(row)}, {', '.join(map(str, first.shape[1:]))}])"
+            )
+        n = min(len(row), seq)
+        out[i, :n] = routed[:n].to(torch.int16)
+    return out

@@ -93,6 +93,7 @@ def global_row(
     ):
         row[out] = _mean([m[name] for m in last if name in m])
     row["logprob_mismatch"] = prep.get("logprob_mismatch", float("nan"))
+    row.update(moe_columns(prep, last))
     row["updates_skipped"] = sum(m.get("update_skipped", 0.0) for m in last)
     row["zero_adv_frac"] = float(adv_metrics.get("zero_adv_frac/mean", float("nan")))
     row.update(step_batching_metrics(prep, last))  # pad_frac, micro-batches, DP balance
@@ -100,4 +101,24 @@ def global_row(
         # failures of the reward function: reward_health's reward_fail_* (global counts)
         if key == "reward/parse_failures/sum":
             row["reward_parse_failures"] = value
+    return row
+
+
+MOE_PREP = ("routing_mismatch", "routing_mismatch_layer", "logprob_mismatch_free")
+"""Old-policy pass columns of mixture-of-experts runs with routing replay/record."""
+MOE_STEPS = ("moe_load_imbalance", "moe_dropped_frac", "moe_aux_loss")
+"""Per-update router columns of mixture-of-experts runs (mean over the step's updates)."""
+
+
+def moe_columns(prep: dict[str, float], steps: list[dict[str, float]]) -> dict[str, float]:
+    """The router columns of a ``metrics.jsonl`` row (none for dense models):
+    ``moe_load_imbalance_max`` is the maximum over the step's updates, the others means."""
+    row = {key: prep[key] for key in MOE_PREP if key in prep}
+    for key in MOE_STEPS:
+        values = [m[key] for m in steps if key in m]
+        if values:
+            row[key] = _mean(values)
+    worst = [m["moe_load_imbalance_max"] for m in steps if "moe_load_imbalance_max" in m]
+    if worst:
+        row["moe_load_imbalance_max"] = max(worst)
     return row

@@ -146,6 +146,7 @@ def build_rollout_engine(
                 load_format="dummy",  # the weights come from update_weights
                 seed=cfg.trainer.seed,
                 skip_tokenizer_init=True,  # we pass token ids; the model dir has no tokenizer
+                return_routed_experts=cfg.update.routing_replay != "off",
             )
         )
     return RolloutClient(engine, sampling, expected)
@@ -196,6 +197,8 @@ def _megatron_engine(cfg: Any, policy: Any, max_len: int, eos: tuple[int, ...]) 
         max_model_len=max_len,
         max_batch_size=cfg.rollout.max_batch_size,
         pad_id=eos[0],
+        routing=policy.routing,
+        record_routing=cfg.update.routing_replay != "off",
     )
     return MegatronEngine(decoder, MegatronEngineConfig(seed=cfg.trainer.seed, eos_token_ids=eos))
 

@@ -56,6 +56,14 @@ def check_compatible(meta: dict[str, Any], engine: Any, with_optimizer: bool) ->
             f"{current['data_parallel_size']} (the distributed optimizer state is sharded by DP; "
             "resume with the same DP size, or load the model weights only)"
         )
+    saved_ep = saved.get("expert_model_parallel_size", 1)
+    if with_optimizer and saved_ep != current["expert_model_parallel_size"]:
+        diffs.append(
+            f"expert-parallel size: checkpoint {saved_ep} vs run "
+            f"{current['expert_model_parallel_size']} (the experts' optimizer state is sharded "
+            "over their data-parallel group; resume with the same EP size, or load the model "
+            "weights only)"
+        )
     if diffs:
         raise CheckpointError("checkpoint does not match this run:\n  " + "\n  ".join(diffs))
 

@@ -63,6 +63,7 @@ def layout(engine: Any) -> dict[str, Any]:
         "model": asdict(engine.model_cfg),
         "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
         "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
+        "expert_model_parallel_size": ps.get_expert_model_parallel_world_size(),
         "data_parallel_size": ps.get_data_parallel_world_size(),
         "world_size": world_size(),
     }

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from reco_megatron.megatron.compat.cpu_moe import patch_moe_modules
 from reco_megatron.megatron.compat.cpu_patches import (
     Patch,
     patch_tied_embedding_setup,
@@ -74,6 +75,7 @@ def enable_cpu_backend(force: bool = False) -> bool:
         logger.info("CUDA is available: megatron-core runs on GPU, CPU backend not enabled")
         return False
     _patches.extend(proxy_modules())
+    _patches.extend(patch_moe_modules())
     _patches.extend(patch_type_checks())
     _patches.extend(patch_tied_embedding_setup())
     install_cpu_rng_tracker()

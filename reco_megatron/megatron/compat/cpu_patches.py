@@ -18,7 +18,7 @@ import functools
 import importlib
 import types
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -139,8 +139,42 @@ def _redirect_factory(fn: Callable[..., Any]) -> Callable[..., Any]:
     return factory
 
 
+class _CpuEvent:
+    """A CUDA event on the CPU: every op has completed when it returns, so nothing to wait for."""
+
+    def record(self, stream: Any = None) -> None:
+        """Nothing to mark."""
+
+    def synchronize(self) -> None:
+        """Already complete."""
+
+    def wait(self, stream: Any = None) -> None:
+        """Already complete."""
+
+    def query(self) -> bool:
+        return True
+
+
+class _CpuStream:
+    """A side CUDA stream on the CPU (MoE token dispatchers copy split sizes on one): CPU ops
+    and gloo collectives are synchronous, so waits are no-ops and events are complete."""
+
+    def wait_stream(self, stream: Any) -> None:
+        """Nothing to wait for."""
+
+    def wait_event(self, event: Any) -> None:
+        """Nothing to wait for."""
+
+    def record_event(self, event: Any = None) -> Any:
+        return event if event is not None else _CpuEvent()
+
+    def synchronize(self) -> None:
+        """Nothing to wait for."""
+
+
 class _CpuCuda(types.ModuleType):
-    """``torch.cuda`` as seen by a proxied megatron module: device queries answer CPU."""
+    """``torch.cuda`` as seen by a proxied megatron module: device queries answer CPU, streams
+    and events are the synchronous stand-ins above."""
 
     def __init__(self) -> None:
         super().__init__("torch.cuda")
@@ -148,6 +182,18 @@ class _CpuCuda(types.ModuleType):
     @staticmethod
     def current_device() -> torch.device:
         return _TARGET[0]
+
+    @staticmethod
+    def Stream(*args: Any, **kwargs: Any) -> _CpuStream:
+        return _CpuStream()
+
+    @staticmethod
+    def Event(*args: Any, **kwargs: Any) -> _CpuEvent:
+        return _CpuEvent()
+
+    @staticmethod
+    def stream(stream: Any = None) -> Any:
+        return nullcontext()
 
     @staticmethod
     def synchronize(device: Any = None) -> None:
@@ -272,11 +318,12 @@ def patch_tied_embedding_setup() -> list[Patch]:
     ]
 
 
-def proxy_modules() -> list[Patch]:
-    """Replace the module-level ``torch`` of each listed megatron module by the CPU proxy."""
+def proxy_modules(modules: dict[str, str] | None = None) -> list[Patch]:
+    """Replace the module-level ``torch`` of each listed megatron module (``{name: reason}``,
+    default :data:`_PROXIED_MODULES`) by the CPU proxy."""
     proxy = _CpuTorch()
     out: list[Patch] = []
-    for name, reason in _PROXIED_MODULES.items():
+    for name, reason in (_PROXIED_MODULES if modules is None else modules).items():
         try:
             module = importlib.import_module(name)
         except ImportError:

@@ -7,6 +7,13 @@ megatron names, so supporting a new megatron-core version means editing this fil
 - ``dist_checkpointing.save/load``: 0.16 accepts ``common_strategy``, 0.19 removed it.
 - ``initialize_model_parallel``: 0.16 accepts ``create_all_gather_group``, 0.19 removed it.
 - ``GPTModel``: current in 0.16; deprecated in 0.19 in favour of ``HybridModel`` (warns).
+- MoE auxiliary-loss tracker: ``moe_utils.get_moe_layer_wise_logging_tracker()`` (a dict) in
+  0.16, ``moe_logging.get_moe_metrics_tracker()`` (an object) in 0.19.
+- MoE auxiliary loss with ``calculate_per_token_loss``: 0.16 multiplies it by the router's
+  local token count, 0.19 by that count times the TP x CP size.
+- MoE router without transformer-engine: 0.16's ``moe_utils`` tests ``te_general_gemm is not
+  None`` but defines the name only when TE imports (``NameError``); :func:`build_gpt_model`
+  defines it as None there (what 0.19 does).
 """
 
 from __future__ import annotations
@@ -27,10 +34,13 @@ __all__ = [
     "MCORE_VERSION",
     "PackedSeqParams",
     "build_gpt_model",
+    "clear_moe_aux_losses",
     "dist_checkpointing_load",
     "dist_checkpointing_save",
     "initialize_model_parallel",
     "mcore_at_least",
+    "moe_aux_loss_counts_tp_cp",
+    "moe_aux_losses",
 ]
 
 logger = get_logger(__name__)
@@ -137,5 +147,47 @@ def build_gpt_model(**kwargs: Any) -> Any:
     """
     from megatron.core.models.gpt import GPTModel
 
+    if getattr(kwargs.get("config"), "num_moe_experts", None):
+        _define_missing_te_gemm()
     with _gpt_deprecation_silenced():
         return GPTModel(**kwargs)
+
+
+def _define_missing_te_gemm() -> None:
+    """megatron-core 0.16's router gating reads ``moe_utils.te_general_gemm``, imported only
+    with transformer-engine: without TE the name is missing (a NameError at the first
+    forward). Define it as None, which selects the torch matmul as in 0.19."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def moe_aux_losses() -> dict[str, Any]:
+    """Per-layer sums ``[num_layers]`` of megatron's MoE auxiliary losses recorded by this
+    rank since the last clear, by name (``load_balancing_loss``...), each divided by its
+    coefficient (what megatron logs)."""
+    try:
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+    except ImportError:  # 0.16
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+        tracker = get_moe_layer_wise_logging_tracker()
+        return {name: entry["values"] for name, entry in tracker.items()}
+    return {name: entry.values for name, entry in get_moe_metrics_tracker().metrics.items()}
+
+
+def clear_moe_aux_losses() -> None:
+    """Zero megatron's MoE auxiliary-loss tracker (both versions keep the entries)."""
+    for values in moe_aux_losses().values():
+        values.zero_()
+
+
+def moe_aux_loss_counts_tp_cp() -> bool:
+    """Whether megatron's per-token scaling of the MoE auxiliary loss multiplies the router's
+    local token count by the TP x CP group size (0.19) or not (0.16), read from the router's
+    code (the change is not tied to a documented version)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    source = inspect.getsource(TopKRouter.attach_and_log_load_balancing_loss)
+    return "tp_cp_group.size()" in source

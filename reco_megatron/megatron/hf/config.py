@@ -1,11 +1,14 @@
 """Hugging Face ``config.json`` <-> :class:`~reco_megatron.megatron.model.ModelConfig`.
 
-Supported: ``model_type`` ``llama`` (Llama 2/3/3.1/3.2, no biases) and ``qwen2`` (Qwen2 /
-Qwen2.5, bias on q/k/v only), SwiGLU (``hidden_act: silu``), RMSNorm, RoPE with or without
-Llama-3 scaling. Both config generations are read: transformers 4.x (``rope_theta`` +
-``rope_scaling``) and 5.x (``rope_parameters``); :func:`hf_config_from_model_config` writes
-the 4.x keys, which transformers 5.x and vLLM also read. Anything the Megatron model would
-compute differently is refused with the offending field and value, never silently dropped.
+Supported: ``model_type`` ``llama`` (Llama 2/3/3.1/3.2, no biases), ``qwen2`` (Qwen2 /
+Qwen2.5, bias on q/k/v only), ``qwen3`` (Qwen3 dense: per-head RMSNorm of q and k, decoupled
+``head_dim``) and ``qwen3_moe`` (Qwen3-MoE: as qwen3 with mixture-of-experts layers),
+SwiGLU (``hidden_act: silu``), RMSNorm, RoPE with or without Llama-3 scaling. Both config
+generations are read: transformers 4.x (``rope_theta`` + ``rope_scaling``, ``num_experts``)
+and 5.x (``rope_parameters``, ``num_local_experts``); :func:`hf_config_from_model_config`
+writes the 4.x keys, which transformers 5.x and vLLM also read. Anything the Megatron model
+would compute differently is refused with the offending field and value, never silently
+dropped.
 """
 
 from __future__ import annotations
@@ -15,9 +18,16 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from reco_megatron.megatron.model import ModelConfig
+from reco_megatron.megatron.model import FAMILIES, ModelConfig
+from reco_megatron.megatron.moe import MoEConfig
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+assert set(ARCHITECTURES) == set(FAMILIES), "every family needs its HF architecture"
 # megatron-core's RotaryEmbedding._apply_scaling hard-codes these (0.16 and 0.19); only the
 # factor is configurable, so a checkpoint with other values cannot be reproduced.
 LLAMA3_FIXED = {
@@ -96,7 +106,8 @@ def model_config_from_hf(config: str | Path | dict[str, Any], **overrides: Any) 
     family = cfg.get("model_type")
     if family not in ARCHITECTURES:
         raise HFConfigError(
-            f"model_type={family!r} is not supported: use a 'llama' or 'qwen2' checkpoint"
+            f"model_type={family!r} is not supported: use a checkpoint of one of "
+            f"{sorted(ARCHITECTURES)}"
         )
     for key in (
         "hidden_size",
@@ -109,16 +120,18 @@ def model_config_from_hf(config: str | Path | dict[str, Any], **overrides: Any) 
             raise HFConfigError(f"config has no {key!r}: is this a {family} config.json?")
     _refuse(cfg, "hidden_act", "silu", "the Megatron model uses SwiGLU")
     _refuse(cfg, "mlp_bias", False, "the Megatron model has no MLP biases")
-    if family == "llama":
-        _refuse(cfg, "attention_bias", False, "Llama in Megatron has no attention biases")
-    else:
+    if family != "qwen2":
+        _refuse(cfg, "attention_bias", False, f"{family} in Megatron has no attention biases")
+    if family != "llama":
         _refuse(cfg, "use_sliding_window", False, "sliding-window attention is not built")
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim")
-    if head_dim is not None and head_dim * heads != cfg["hidden_size"]:
+    decoupled = head_dim is not None and head_dim * heads != cfg["hidden_size"]
+    if decoupled and family in ("llama", "qwen2"):
         raise HFConfigError(
             f"head_dim={head_dim} with num_attention_heads={heads} does not give "
-            f"hidden_size={cfg['hidden_size']}: decoupled head widths are not supported"
+            f"hidden_size={cfg['hidden_size']}: decoupled head widths are built for qwen3 and "
+            "qwen3_moe only"
         )
     theta, factor = _rope(cfg)
     kwargs: dict[str, Any] = dict(
@@ -134,12 +147,39 @@ def model_config_from_hf(config: str | Path | dict[str, Any], **overrides: Any) 
         rope_scaling_factor=factor,
         norm_epsilon=float(cfg.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        kv_channels=int(head_dim) if decoupled else None,
     )
+    if family == "qwen3_moe":
+        kwargs["moe"] = _moe_from_hf(cfg)
     unknown = set(overrides) - {f.name for f in fields(ModelConfig)}
     if unknown:
         raise HFConfigError(f"unknown ModelConfig fields in overrides: {sorted(unknown)}")
     kwargs.update(overrides)
     return ModelConfig(**kwargs)
+
+
+def _moe_from_hf(cfg: dict[str, Any]) -> MoEConfig:
+    """The ``model.moe`` block of a Qwen3-MoE config (every layer an MoE layer)."""
+    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    for key, value in (
+        ("num_experts", experts),
+        ("num_experts_per_tok", cfg.get("num_experts_per_tok")),
+        ("moe_intermediate_size", cfg.get("moe_intermediate_size")),
+    ):
+        if value is None:
+            raise HFConfigError(f"config has no {key!r}: is this a qwen3_moe config.json?")
+    if cfg.get("mlp_only_layers"):
+        raise HFConfigError(
+            f"mlp_only_layers={cfg['mlp_only_layers']!r} is not supported: every layer must be "
+            "a mixture-of-experts layer (Qwen3-MoE releases use [])"
+        )
+    _refuse(cfg, "decoder_sparse_step", 1, "every layer must be a mixture-of-experts layer")
+    return MoEConfig(
+        num_experts=int(experts),
+        router_topk=int(cfg["num_experts_per_tok"]),
+        ffn_hidden_size=int(cfg["moe_intermediate_size"]),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+    )
 
 
 def hf_config_from_model_config(model: ModelConfig) -> dict[str, Any]:
@@ -175,7 +215,38 @@ def hf_config_from_model_config(model: ModelConfig) -> dict[str, Any]:
         cfg.update(attention_bias=False, mlp_bias=False)
     else:
         cfg.update(use_sliding_window=False, sliding_window=None)
+    if model.family in ("qwen3", "qwen3_moe"):
+        cfg.update(attention_bias=False)
+    if model.moe is not None:
+        cfg.update(_moe_to_hf(model))
     return cfg
+
+
+def _moe_to_hf(model: ModelConfig) -> dict[str, Any]:
+    moe = model.moe
+    assert moe is not None
+    if moe.shared_expert_ffn_hidden_size is not None:
+        raise HFConfigError(
+            "model.moe.shared_expert_ffn_hidden_size is set but a Qwen3-MoE checkpoint has no "
+            "shared expert: this model cannot be written as a Hugging Face qwen3_moe"
+        )
+    if moe.capacity_factor is not None:
+        raise HFConfigError(
+            f"model.moe.capacity_factor={moe.capacity_factor} drops tokens over capacity, which "
+            "a Hugging Face / vLLM Qwen3-MoE never does: set it to null for a model that must "
+            "run there"
+        )
+    return {
+        "num_experts": moe.num_experts,
+        "num_local_experts": moe.num_experts,  # transformers 5.x spelling
+        "num_experts_per_tok": moe.router_topk,
+        "moe_intermediate_size": moe.ffn_hidden_size,
+        "norm_topk_prob": moe.norm_topk_prob,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "router_aux_loss_coef": moe.aux_loss_coeff,
+        "output_router_logits": False,
+    }
 
 
 def architecture_mismatches(a: ModelConfig, b: ModelConfig) -> list[str]:
@@ -185,6 +256,7 @@ def architecture_mismatches(a: ModelConfig, b: ModelConfig) -> list[str]:
         "init_method_std",
         "make_vocab_size_divisible_by",
         "max_position_embeddings",
+        "moe",
     }
     out = []
     for f in fields(ModelConfig):
@@ -193,6 +265,16 @@ def architecture_mismatches(a: ModelConfig, b: ModelConfig) -> list[str]:
         va, vb = getattr(a, f.name), getattr(b, f.name)
         if f.name == "num_query_groups":
             va, vb = a.query_groups, b.query_groups
+        if f.name == "kv_channels":
+            va, vb = a.head_dim, b.head_dim
         if va != vb:
             out.append(f"{f.name}: {va!r} vs {vb!r}")
+    if (a.moe is None) != (b.moe is None):
+        out.append(f"moe: {a.moe!r} vs {b.moe!r}")
+    elif a.moe is not None and b.moe is not None:
+        # training choices (aux-loss coefficient, capacity, router precision) may differ
+        for name in ("num_experts", "router_topk", "ffn_hidden_size", "norm_topk_prob"):
+            va, vb = getattr(a.moe, name), getattr(b.moe, name)
+            if va != vb:
+                out.append(f"moe.{name}: {va!r} vs {vb!r}")
     return out

@@ -1,6 +1,7 @@
-"""Megatron <-> Hugging Face weights for the Llama / Qwen2 families, tensor by tensor.
+"""Megatron <-> Hugging Face weights for the Llama / Qwen2 / Qwen3 / Qwen3-MoE families.
 
-The mapping (``L`` = layer, global index; ``d`` = head_dim; ``r`` = query heads per group)::
+The mapping (``L`` = layer, global index; ``d`` = head_dim; ``r`` = query heads per group;
+``E`` = routed expert, global index)::
 
     embedding.word_embeddings.weight [Vp, H]        model.embed_tokens.weight [V, H] (pad cut)
     decoder.layers.L.input_layernorm.weight          model.layers.L.input_layernorm.weight
@@ -11,6 +12,12 @@ The mapping (``L`` = layer, global index; ``d`` = head_dim; ``r`` = query heads 
     decoder.layers.L.pre_mlp_layernorm.weight        ...post_attention_layernorm.weight
     decoder.layers.L.mlp.linear_fc1.weight [2F, H] = [gate; up]   ...mlp.{gate,up}_proj.weight
     decoder.layers.L.mlp.linear_fc2.weight           ...mlp.down_proj.weight
+    decoder.layers.L.self_attention.{q,k}_layernorm.weight   ...self_attn.{q,k}_norm.weight (qwen3)
+    decoder.layers.L.mlp.router.weight [N, H]        ...mlp.gate.weight (qwen3_moe)
+    decoder.layers.L.mlp.experts.local_experts.E.linear_fc1.weight [2F, H]
+                                                     ...mlp.experts.E.{gate,up}_proj.weight
+    decoder.layers.L.mlp.experts.local_experts.E.linear_fc2.weight
+                                                     ...mlp.experts.E.down_proj.weight
     decoder.final_layernorm.weight                   model.norm.weight
     output_layer.weight [Vp, H]                      lm_head.weight [V, H] (absent when tied)
 
@@ -22,6 +29,14 @@ dim 0, row-parallel ones (linear_proj, fc2) on dim 1, per ``param.partition_dim`
 split by whole groups, so concatenating the shards restores the group-major layout; fc1 is
 split per half (rank t holds ``[gate_t; up_t]``). Layer indices come from each layer's own
 ``layer_number`` (global, 1-based), so pipeline stages and virtual chunks need no offsets.
+
+Expert parallelism: a rank holds ``N / EP`` experts, its local expert ``i`` being global
+expert ``ep_rank * N / EP + i`` (megatron's numbering); their tensor-parallel split is over the
+*expert* TP group. :func:`full_tensors` renames local experts to global ones and, for export,
+all-gathers them over the EP group, so every rank of a stage gets every expert; import keeps
+only this rank's experts. The Hugging Face side is the checkpoint layout (one tensor per
+expert, what vLLM loads and what ``save_pretrained`` writes); transformers 5's in-memory fused
+``experts.gate_up_proj`` is the rollout engine's business.
 """
 
 from __future__ import annotations
@@ -31,11 +46,38 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from reco_megatron.megatron.hf.sharding import ep_names as _ep_names
+from reco_megatron.megatron.hf.sharding import (
+    experts_per_rank,
+    full_tensors,
+    gather_tp,
+    gathered_shape,
+    global_names,
+    shard_tp,
+)
 from reco_megatron.megatron.model import ModelConfig
 
+__all__ = [
+    "EMBED",
+    "LM_HEAD",
+    "NORM",
+    "WeightMappingError",
+    "export_hf_weights",
+    "export_plan",
+    "fuse_qkv",
+    "gather_tp",
+    "global_names",
+    "hf_shapes",
+    "hf_to_megatron",
+    "import_hf_weights",
+    "megatron_to_hf",
+    "shard_tp",
+    "split_qkv",
+]
+
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
 _PLAIN = {
     "input_layernorm.weight": "input_layernorm.weight",
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
@@ -43,6 +85,9 @@ _PLAIN = {
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
     "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+    "mlp.router.weight": "mlp.gate.weight",
 }
 EMBED, NORM, LM_HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
 
@@ -56,43 +101,38 @@ def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor of the Hugging Face model and its shape, in state-dict order."""
     h, v, f = cfg.hidden_size, cfg.vocab_size, cfg.ffn_hidden_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.query_groups * cfg.head_dim
+    traits = cfg.traits
     out: dict[str, tuple[int, ...]] = {EMBED: (v, h)}
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         out[p + "self_attn.q_proj.weight"] = (q, h)
         out[p + "self_attn.k_proj.weight"] = (kv, h)
         out[p + "self_attn.v_proj.weight"] = (kv, h)
-        if cfg.family == "qwen2":
+        if traits.qkv_bias:
             out[p + "self_attn.q_proj.bias"] = (q,)
             out[p + "self_attn.k_proj.bias"] = (kv,)
             out[p + "self_attn.v_proj.bias"] = (kv,)
         out[p + "self_attn.o_proj.weight"] = (h, q)
-        out[p + "mlp.gate_proj.weight"] = (f, h)
-        out[p + "mlp.up_proj.weight"] = (f, h)
-        out[p + "mlp.down_proj.weight"] = (h, f)
+        if traits.qk_layernorm:
+            out[p + "self_attn.q_norm.weight"] = (cfg.head_dim,)
+            out[p + "self_attn.k_norm.weight"] = (cfg.head_dim,)
+        if cfg.moe is None:
+            out[p + "mlp.gate_proj.weight"] = (f, h)
+            out[p + "mlp.up_proj.weight"] = (f, h)
+            out[p + "mlp.down_proj.weight"] = (h, f)
+        else:
+            fe = cfg.moe.ffn_hidden_size
+            out[p + "mlp.gate.weight"] = (cfg.moe.num_experts, h)
+            for e in range(cfg.moe.num_experts):
+                out[p + f"mlp.experts.{e}.gate_proj.weight"] = (fe, h)
+                out[p + f"mlp.experts.{e}.up_proj.weight"] = (fe, h)
+                out[p + f"mlp.experts.{e}.down_proj.weight"] = (h, fe)
         out[p + "input_layernorm.weight"] = (h,)
         out[p + "post_attention_layernorm.weight"] = (h,)
     out[NORM] = (h,)
     if not cfg.tie_word_embeddings:
         out[LM_HEAD] = (v, h)
     return out
-
-
-def global_names(chunk: Any) -> Iterator[tuple[str, str, torch.nn.Parameter]]:
-    """``(local name, global single-stage name, param)`` of one GPTModel chunk.
-
-    DDP's ``module.`` prefix is stripped; ``decoder.layers.i`` is renumbered with the layer's
-    global ``layer_number - 1``.
-    """
-    layers = chunk.decoder.layers if hasattr(chunk, "decoder") else []
-    for name, param in chunk.named_parameters():
-        local = name.removeprefix("module.")
-        match = _LAYER.match(local)
-        if match:
-            index = layers[int(match.group(1))].layer_number - 1
-            yield name, f"decoder.layers.{index}.{match.group(2)}", param
-        else:
-            yield name, local, param
 
 
 # ------------------------------------------------------------------ layouts
@@ -146,6 +186,13 @@ def megatron_to_hf(
     if rest == "mlp.linear_fc1.weight":
         gate, up = full.chunk(2, dim=0)
         return [(prefix + "mlp.gate_proj.weight", gate), (prefix + "mlp.up_proj.weight", up)]
+    expert = _EXPERT.match(rest)
+    if expert is not None and cfg.moe is not None:
+        e = f"{prefix}mlp.experts.{expert.group(1)}."
+        if expert.group(2) == "linear_fc2":
+            return [(e + "down_proj.weight", full)]
+        gate, up = full.chunk(2, dim=0)
+        return [(e + "gate_proj.weight", gate), (e + "up_proj.weight", up)]
     raise WeightMappingError(f"megatron parameter {name!r} has no Hugging Face counterpart")
 
 
@@ -172,50 +219,13 @@ def hf_to_megatron(
         return fuse_qkv(*qkv, cfg)
     if rest == "mlp.linear_fc1.weight":
         return torch.cat([get(prefix + "mlp.gate_proj.weight"), get(prefix + "mlp.up_proj.weight")])
+    expert = _EXPERT.match(rest)
+    if expert is not None and cfg.moe is not None:
+        e = f"{prefix}mlp.experts.{expert.group(1)}."
+        if expert.group(2) == "linear_fc2":
+            return get(e + "down_proj.weight")
+        return torch.cat([get(e + "gate_proj.weight"), get(e + "up_proj.weight")])
     raise WeightMappingError(f"megatron parameter {name!r} has no Hugging Face counterpart")
-
-
-# ------------------------------------------------------------------ tensor parallelism
-def _is_gated(name: str) -> bool:
-    return name.endswith("mlp.linear_fc1.weight")
-
-
-def _tp() -> tuple[int, int, Any]:
-    from megatron.core import parallel_state as ps
-
-    return (
-        ps.get_tensor_model_parallel_world_size(),
-        ps.get_tensor_model_parallel_rank(),
-        ps.get_tensor_model_parallel_group(),
-    )
-
-
-def shard_tp(full: torch.Tensor, param: torch.Tensor, name: str) -> torch.Tensor:
-    """This TP rank's slice of ``full`` for ``param`` (fc1: ``[gate_t; up_t]``)."""
-    tp, rank, _ = _tp()
-    if tp == 1 or not getattr(param, "tensor_model_parallel", False):
-        return full
-    if _is_gated(name):
-        gate, up = full.chunk(2, dim=0)
-        return torch.cat([gate.chunk(tp)[rank], up.chunk(tp)[rank]])
-    return full.chunk(tp, dim=param.partition_dim)[rank]
-
-
-def gather_tp(param: torch.Tensor, name: str) -> torch.Tensor:
-    """The full tensor of a TP-sharded ``param`` (collective over the TP group).
-
-    Unsharded parameters (norms) are returned detached without a copy.
-    """
-    tp, _, group = _tp()
-    local = param.detach()
-    if tp == 1 or not getattr(param, "tensor_model_parallel", False):
-        return local
-    parts = [torch.empty_like(local) for _ in range(tp)]
-    dist.all_gather(parts, local.contiguous(), group=group)
-    if _is_gated(name):
-        halves = [p.chunk(2, dim=0) for p in parts]
-        return torch.cat([torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])])
-    return torch.cat(parts, dim=param.partition_dim)
 
 
 # ------------------------------------------------------------------ export / import
@@ -233,10 +243,10 @@ def export_hf_weights(
     stages on one rank.
     """
     for chunk in model_chunks:
-        for local, name, param in global_names(chunk):
+        for name, full in full_tensors(chunk):
             if name == "output_layer.weight" and model_cfg.tie_word_embeddings:
                 continue
-            yield from megatron_to_hf(name, gather_tp(param, local), model_cfg)
+            yield from megatron_to_hf(name, full, model_cfg)
 
 
 def export_plan(
@@ -244,18 +254,16 @@ def export_plan(
 ) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     """``(name, shape, dtype)`` of what :func:`export_hf_weights` yields here, no collectives
     (the mapping runs on ``meta`` tensors of the gathered shapes)."""
-    tp = _tp()[0]
     plan = []
     for chunk in model_chunks:
-        for _, name, param in global_names(chunk):
+        per_rank = experts_per_rank(chunk)
+        for local, name, param in global_names(chunk):
             if name == "output_layer.weight" and model_cfg.tie_word_embeddings:
                 continue
-            shape = list(param.shape)
-            if tp > 1 and getattr(param, "tensor_model_parallel", False):
-                shape[param.partition_dim] *= tp
-            meta = torch.empty(shape, dtype=param.dtype, device="meta")
-            for hf_name, t in megatron_to_hf(name, meta, model_cfg):
-                plan.append((hf_name, tuple(t.shape), t.dtype))
+            meta = torch.empty(gathered_shape(param, local), dtype=param.dtype, device="meta")
+            for global_name in _ep_names(name, per_rank):
+                for hf_name, t in megatron_to_hf(global_name, meta, model_cfg):
+                    plan.append((hf_name, tuple(t.shape), t.dtype))
     return plan
 
 
@@ -264,8 +272,9 @@ def import_hf_weights(
 ) -> list[str]:
     """Copy HF tensors (``get(hf_name)``, full, unpadded) into this rank's parameters.
 
-    Fuses q/k/v and gate/up, pads the vocabulary, keeps this TP rank's shard. Returns the HF
-    names read. Raises :class:`WeightMappingError` naming the tensor on a shape mismatch.
+    Fuses q/k/v and gate/up, pads the vocabulary, keeps this TP rank's shard and this EP
+    rank's experts (only their tensors are read). Returns the HF names read. Raises
+    :class:`WeightMappingError` naming the tensor on a shape mismatch.
     """
     from megatron.core import parallel_state as ps
 
