@@ -20,6 +20,8 @@ def write_results(
     sft_s: float | None,
     command: str,
     shown_out: str,
+    *,
+    reuse_note: str | None = None,
 ) -> None:
     """The markdown report: protocol, budget search, results with intervals, paired
     differences, figures. The discussion is written by hand: any text from a ``## Discussion``
@@ -66,6 +68,7 @@ def write_results(
         "- Intervals: 95 % percentile bootstrap resampling the seeds (training runs) and, "
         "jointly, the held-out problems; `*` marks a paired difference whose interval "
         "excludes 0.",
+        *([f"- Reused evaluations: {reuse_note}"] if reuse_note else []),
         "- Time, summed per process (2 shared cores, up to 4 processes at once: a rough guide): "
         + analysis.time_summary(args.out.resolve(), by_budget, curves, sft_s),
         "",

@@ -21,6 +21,7 @@ def rollout_counters(
     correct = (rewards >= 1.0).view(-1, g).sum(dim=1).tolist()
     out: dict[str, float] = {
         "reward_sum": float(rewards.sum()),
+        "reward_nonzero_sum": float((rewards != 0).sum()),
         "num_responses": float(len(responses)),
         "response_len_sum": float(sum(len(r) for r in responses)),
         "truncated_sum": float(
@@ -105,6 +106,7 @@ def global_row(
     row: dict[str, Any] = {
         "step": step,
         "reward_mean": s["reward_sum"] / n,
+        "reward_nonzero_frac": s["reward_nonzero_sum"] / n,
         "response_len_mean": s["response_len_sum"] / n,
         "truncated_frac": s["truncated_sum"] / n,
         "unique_frac": s["unique_frac_sum"] / groups,
