@@ -258,8 +258,7 @@ TRAINING_KEYS = (
 
 def read_metrics(path: Path, last_step: int) -> list[dict[str, Any]]:
     """The rows of a run's ``metrics.jsonl`` up to ``last_step`` (a resumed run may have
-    logged a step twice: the last row of a step wins); none for a run that was not trained
-    here (its evaluations reused, ``reuse.py``)."""
+    logged a step twice: the last row of a step wins); none when the file is missing."""
     import json
 
     if not path.exists():
@@ -380,12 +379,9 @@ def time_summary(
         runs += 1
     evaluated = {(e["label"], e.get("rl_step")): e for group in by_budget.values() for e in group}
     evaluated |= {(e["label"], e.get("rl_step")): e for c in curves.values() for _, e in c}
-    here = [e for e in evaluated.values() if "reused_from" not in e]
-    eval_s = sum(float(e["summary"].get("time_s", 0.0)) for e in here)
+    eval_s = sum(float(e["summary"].get("time_s", 0.0)) for e in evaluated.values())
     sft = f"SFT {sft_s / 60:.1f} min; " if sft_s else ""
-    more = len(evaluated) - len(here)
     return (
         f"{sft}RL {rl_s / 60:.1f} min ({runs} runs, all their steps); evaluation "
-        f"{eval_s / 60:.1f} min ({len(here)} checkpoint evaluations"
-        + (f"; {more} more reused)." if more else ").")
+        f"{eval_s / 60:.1f} min ({len(evaluated)} checkpoint evaluations)."
     )

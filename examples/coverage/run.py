@@ -53,7 +53,6 @@ sys.path.insert(0, str(ROOT))
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import reuse  # noqa: E402
 from write_report import write_results  # noqa: E402
 
 from reco_megatron.eval import report  # noqa: E402
@@ -205,15 +204,6 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="keep every saved checkpoint of every run (a shorter budget can be evaluated later)",
     )
-    p.add_argument(
-        "--reuse",
-        type=Path,
-        default=None,
-        help="raw JSON of an earlier run whose evaluations stand in for runs of "
-        "--reuse-methods x --reuse-seeds (see reuse.py: other seeds must reproduce it exactly)",
-    )
-    p.add_argument("--reuse-methods", nargs="+", default=[], metavar="[OLD=]METHOD")
-    p.add_argument("--reuse-seeds", nargs="+", type=int, default=[])
     p.add_argument("--smoke", action="store_true", help="1 seed, tiny budget (CI)")
     args = p.parse_args(argv)
     if args.smoke:
@@ -245,11 +235,6 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"--curve {unknown}: not among the runs (METHOD/sSEED of --methods, --seeds)")
     task = _task_overrides(args.task, p)
-    if bool(args.reuse) != bool(args.reuse_methods and args.reuse_seeds):
-        p.error("--reuse needs --reuse-methods and --reuse-seeds, and they need --reuse")
-    if not set(args.reuse_seeds) <= set(args.seeds):
-        p.error(f"--reuse-seeds {args.reuse_seeds} must be among --seeds {args.seeds}")
-    mapping = reuse.parse_methods(args.reuse_methods, args.methods) if args.reuse else {}
     out = args.out.resolve()
     (out / "logs").mkdir(parents=True, exist_ok=True)
     _check_same_task(out / "task.json", task, args.sft_steps)
@@ -272,25 +257,9 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     protocol = f"n{args.n}-k{args.kmax}-p{args.eval_prompts}-t{args.temperature}-tp{args.top_p}"
-    reused: set[tuple[str, int]] = set()
-    if args.reuse:
-        eval_protocol = {
-            "n": args.n, "kmax": args.kmax, "temperature": args.temperature,
-            "top_p": args.top_p, "max_new_tokens": 24, "seed": 0, "reward": "countdown",
-        }  # fmt: skip
-        reused = reuse.seed_parts(
-            args.reuse.resolve(),
-            mapping,
-            args.reuse_seeds,
-            budgets,
-            out / "eval" / "parts" / protocol,
-            eval_protocol,
-        )
 
     def rl(job: tuple[str, int]) -> float:
         method, seed = job
-        if job in reused:
-            return 0.0  # its evaluations come from --reuse
         run_dir = out / "runs" / f"{method}-s{seed}"
         in_curve = f"{method}/s{seed}" in curve
         steps = max(args.rl_steps, args.curve_steps) if in_curve else args.rl_steps
@@ -364,19 +333,12 @@ def main(argv: list[str] | None = None) -> int:
     raw = {(e["label"], e["rl_step"]): e for group in by_budget.values() for e in group}
     raw |= {(e["label"], e["rl_step"]): e for curve_ in curves.values() for _, e in curve_}
     report.write_json(out / "eval" / "passk.json", list(raw.values()))
-    reuse_note = None
-    if args.reuse:
-        reuse_note = reuse.check_reproduced(
-            args.reuse.resolve(), mapping, raw.values(), reused, out / "eval" / "reused.json"
-        )
 
     default = out / "coverage.md" if args.smoke else ROOT / "docs" / "results" / "coverage.md"
     results = args.results or default
     command = " ".join(_shown(a) for a in sys.argv[1:])
     sft_s = json.loads(sft_time.read_text()) if sft_time.exists() else None
-    write_results(
-        results, args, by_budget, curves, sft_s, command, _shown(args.out), reuse_note=reuse_note
-    )
+    write_results(results, args, by_budget, curves, sft_s, command, _shown(args.out))
     copy = results.with_name(f"{results.stem}_passk.json")  # compact: it is committed
     copy.write_text(json.dumps({"checkpoints": list(raw.values())}) + "\n", encoding="utf-8")
     sys.stdout.write(f"wrote {results}\n")

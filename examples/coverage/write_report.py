@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import analysis
+import stability
 
 
 def write_results(
@@ -20,8 +21,6 @@ def write_results(
     sft_s: float | None,
     command: str,
     shown_out: str,
-    *,
-    reuse_note: str | None = None,
 ) -> None:
     """The markdown report: protocol, budget search, results with intervals, paired
     differences, figures. The discussion is written by hand: any text from a ``## Discussion``
@@ -68,7 +67,6 @@ def write_results(
         "- Intervals: 95 % percentile bootstrap resampling the seeds (training runs) and, "
         "jointly, the held-out problems; `*` marks a paired difference whose interval "
         "excludes 0.",
-        *([f"- Reused evaluations: {reuse_note}"] if reuse_note else []),
         "- Time, summed per process (2 shared cores, up to 4 processes at once: a rough guide): "
         + analysis.time_summary(args.out.resolve(), by_budget, curves, sft_s),
         "",
@@ -110,22 +108,33 @@ def write_results(
                 analysis.difference_table(kept, methods, ["grpo"] if "grpo" in kept else []),
                 analysis.seed_test_table(kept, methods) if "grpo" in kept else "",
             ]
+    rows = {
+        m: [
+            analysis.read_metrics(
+                args.out.resolve() / "runs" / f"{m}-s{s}" / "metrics.jsonl", args.rl_steps
+            )
+            for s in args.seeds
+        ]
+        for m in methods
+    }
+    n = int(groups["base"][0].n.min())
+    solves_nothing = {
+        m: [bool(run.metric(f"pass@{n}").mean() == 0.0) for run in groups[m]] for m in methods
+    }
     lines += [
+        f"## Stability ({args.rl_steps} steps)",
+        "",
+        f"Dead in training: {stability.DEAD_STEPS} consecutive steps in which no response "
+        "earned a reward (from then on every advantage is 0); the first such step in brackets. "
+        "Raw c: the token ratio before any cap or trust region (`token_ratio_max`, per step the "
+        "maximum over its optimizer updates; for `reco_response_only` it is r).",
+        "",
+        stability.stability_table(rows, solves_nothing),
         f"## Training metrics ({args.rl_steps} steps)",
         "",
         "On the rollout groups; per run the mean of the first -> last 20 steps, then over seeds:",
         "",
-        analysis.training_table(
-            {
-                m: [
-                    analysis.read_metrics(
-                        args.out.resolve() / "runs" / f"{m}-s{s}" / "metrics.jsonl", args.rl_steps
-                    )
-                    for s in args.seeds
-                ]
-                for m in methods
-            }
-        ),
+        analysis.training_table(rows),
         "`distinct correct`: distinct correct solutions per problem among the n samples (answers",
         "equal up to commutativity and associativity count once); `unique %`: distinct responses",
         f"/ n. pass@k at every k with its interval: `{curves_json.name}`. Raw per-problem counts:",
