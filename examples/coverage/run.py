@@ -172,6 +172,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--save-every", type=int, default=10, help="RL checkpoint interval (resume)")
     p.add_argument("--jobs", type=int, default=1, help="RL runs in parallel")
     p.add_argument(
+        "--eval-threads",
+        type=int,
+        default=0,
+        help="threads of each evaluation (0: every core). On a loaded machine use 1: two "
+        "OpenMP threads that are descheduled in turn spin, and cost several times the CPU",
+    )
+    p.add_argument(
         "--task",
         nargs="+",
         default=[],
@@ -309,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
                 "--max-new-tokens", "24", "--out", str(part), "--no-progress",
             ]  # fmt: skip
             log = out / "logs" / f"eval-{label.replace('/', '-')}-{step_dir.name}.log"
-            _run(eval_cmd, log, threads * args.jobs)
+            _run(eval_cmd, log, args.eval_threads or threads * args.jobs)
         return report.read_json(part / "passk.json")
 
     base_step = base / "checkpoints" / (base / "checkpoints" / "latest").read_text().strip()
