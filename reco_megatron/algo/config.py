@@ -43,8 +43,8 @@ def _optional_positive(name: str, value: object, hint: str) -> None:
 class LossConfig:
     """Configuration of :func:`reco_megatron.algo.policy_loss` and its helpers.
 
-    The defaults are the ReCo loss (sequence weights, Bernoulli ratio, PPO-clip mask,
-    token-mean) without the KL term that the ``reco`` preset inherits from GRPO. See
+    The defaults are the ReCo loss (sequence weights, Bernoulli ratio, PPO-clip mask, trust
+    region on c, token-mean) without the KL term that the ``reco`` preset inherits from GRPO. See
     ``docs/loss.md`` for the formulas and :meth:`preset` for the baselines.
     """
 
