@@ -12,6 +12,17 @@ from pathlib import Path
 import analysis
 import stability
 
+METHOD_NOTES: dict[str, str] = {
+    "grpo": "GRPO (PPO clip on r)",
+    "reco": "ReCo as shipped now: response weights, Bernoulli ratio c with the trust region on "
+    "c (eps_c = eps_high)",
+    "reco_plain": "ReCo in the paper's plain form: c capped at c_max = 10 only",
+    "reco_cmax": "the plain form with a value cap at the trust region's width, c_max = 1.28",
+    "reco_response_only": "response weights only (ratio r)",
+    "reco_token_only": "Bernoulli ratio c only (with the trust region on c), no response weights",
+}
+"""What each method of ``run.py`` is, for the report's protocol."""
+
 
 def write_results(
     path: Path,
@@ -52,7 +63,9 @@ def write_results(
         f"{args.sft_steps} steps on 3 solutions per training problem.",
         f"- RL: {args.rl_steps} steps x {args.prompts_per_step} prompts x G = 8 from the base, "
         f"2 mini-batch updates per rollout batch, lr {args.lr}, no KL, clip 0.2/0.28, "
-        f"seeds {seeds}; the methods differ only in the loss (`METHODS` in the script).",
+        f"seeds {seeds}; the methods differ only in the loss (`METHODS` in the script): "
+        + "; ".join(f"`{m}` {METHOD_NOTES[m]}" for m in methods if m in METHOD_NOTES)
+        + ".",
         *(
             [
                 f"- Budget search: {', '.join(args.curve)} trained to step "
