@@ -22,6 +22,7 @@ from reco_megatron.algo import (
     TokenStats,
     aggregate,
     c_growth,
+    group_advantages,
     policy_loss,
     response_weights,
 )
@@ -238,3 +239,45 @@ def test_at_old_policy_every_preset_is_reinforce() -> None:
         )
         ref.backward()
         torch.testing.assert_close(x.grad, y.grad, **EXACT, msg=name)
+
+
+def _shared_token_run(cfg: LossConfig, steps: int = 30) -> tuple[list[float], list[float]]:
+    """The collapse's mechanism in miniature: one position whose format token (p = 0.998) all
+    G = 8 responses share; 6 frequent correct responses with weight 0.25, 2 rare wrong ones
+    with weight 1, so ``sum_i w_i A_i < 0`` pushes the shared token down. ``steps`` Adam
+    updates on this one rollout batch (theta_old fixed). Returns p of the shared token and
+    the raw c after each update."""
+    z = torch.tensor([math.log(0.998), math.log(0.001), math.log(0.001)], dtype=F64)
+    z.requires_grad_()
+    opt = torch.optim.Adam([z], lr=0.05)
+    g = 8
+    adv = group_advantages(torch.tensor([1.0] * 6 + [0.0] * 2, dtype=F64), g, "grpo")[0]
+    w = torch.tensor([0.25] * 6 + [1.0] * 2, dtype=F64)
+    assert float((w * adv).sum()) < 0  # the group no longer cancels on the shared token
+    lp_old = torch.log_softmax(z.detach(), 0)[0].expand(g, 1).clone()
+    ps, cs = [], []
+    for _ in range(steps):
+        opt.zero_grad()
+        lp = torch.log_softmax(z, 0)[0].expand(g, 1)
+        loss, metrics = policy_loss(lp, lp_old, adv, torch.ones(g, 1), cfg, weights=w)
+        loss.backward()
+        opt.step()
+        ps.append(float(torch.softmax(z.detach(), 0)[0]))
+        cs.append(float(metrics["token_ratio_max/max"]))
+    return ps, cs
+
+
+def test_shared_format_token_is_not_pushed_out() -> None:
+    """Plain form: the group pushes its shared near-certain token down update after update,
+    c grows past 10 (0.998 -> ~0.95 in 30 updates); a value cap at 1.28 changes the push's
+    size, not its direction, and Adam normalises the size away; the trust region stops the
+    push once c leaves [.., 1.28] (the wrong responses' terms are masked, the right ones pull
+    back): p stays above 0.996."""
+    plain = _shared_token_run(LossConfig.preset("reco", eps_high=0.28, kl_coef=0.0, c_trust=False))
+    cap = _shared_token_run(
+        LossConfig.preset("reco", eps_high=0.28, kl_coef=0.0, c_trust=False, c_max=1.28)
+    )
+    trust = _shared_token_run(LossConfig.preset("reco", eps_high=0.28, kl_coef=0.0))
+    assert plain[0][-1] < 0.96 and max(plain[1]) > 10.0
+    assert cap[0][-1] < 0.96 and max(cap[1]) > 10.0
+    assert min(trust[0]) > 0.996 and max(trust[1]) < 1.6
