@@ -258,9 +258,11 @@ TRAINING_KEYS = (
 
 def read_metrics(path: Path, last_step: int) -> list[dict[str, Any]]:
     """The rows of a run's ``metrics.jsonl`` up to ``last_step`` (a resumed run may have
-    logged a step twice: the last row of a step wins)."""
+    logged a step twice: the last row of a step wins); none when the file is missing."""
     import json
 
+    if not path.exists():
+        return []
     rows: dict[int, dict[str, Any]] = {}
     for line in path.read_text(encoding="utf-8").splitlines():
         if line.strip():

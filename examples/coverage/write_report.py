@@ -10,6 +10,18 @@ import time
 from pathlib import Path
 
 import analysis
+import stability
+
+METHOD_NOTES: dict[str, str] = {
+    "grpo": "GRPO (PPO clip on r)",
+    "reco": "ReCo as shipped now: response weights, Bernoulli ratio c with the trust region on "
+    "c (eps_c = eps_high)",
+    "reco_plain": "ReCo in the paper's plain form: c capped at c_max = 10 only",
+    "reco_cmax": "the plain form with a value cap at the trust region's width, c_max = 1.28",
+    "reco_response_only": "response weights only (ratio r)",
+    "reco_token_only": "Bernoulli ratio c only (with the trust region on c), no response weights",
+}
+"""What each method of ``run.py`` is, for the report's protocol."""
 
 
 def write_results(
@@ -51,7 +63,9 @@ def write_results(
         f"{args.sft_steps} steps on 3 solutions per training problem.",
         f"- RL: {args.rl_steps} steps x {args.prompts_per_step} prompts x G = 8 from the base, "
         f"2 mini-batch updates per rollout batch, lr {args.lr}, no KL, clip 0.2/0.28, "
-        f"seeds {seeds}; the methods differ only in the loss (`METHODS` in the script).",
+        f"seeds {seeds}; the methods differ only in the loss (`METHODS` in the script): "
+        + "; ".join(f"`{m}` {METHOD_NOTES[m]}" for m in methods if m in METHOD_NOTES)
+        + ".",
         *(
             [
                 f"- Budget search: {', '.join(args.curve)} trained to step "
@@ -107,22 +121,33 @@ def write_results(
                 analysis.difference_table(kept, methods, ["grpo"] if "grpo" in kept else []),
                 analysis.seed_test_table(kept, methods) if "grpo" in kept else "",
             ]
+    rows = {
+        m: [
+            analysis.read_metrics(
+                args.out.resolve() / "runs" / f"{m}-s{s}" / "metrics.jsonl", args.rl_steps
+            )
+            for s in args.seeds
+        ]
+        for m in methods
+    }
+    n = int(groups["base"][0].n.min())
+    solves_nothing = {
+        m: [bool(run.metric(f"pass@{n}").mean() == 0.0) for run in groups[m]] for m in methods
+    }
     lines += [
+        f"## Stability ({args.rl_steps} steps)",
+        "",
+        f"Dead in training: {stability.DEAD_STEPS} consecutive steps in which no response "
+        "earned a reward (from then on every advantage is 0); the first such step in brackets. "
+        "Raw c: the token ratio before any cap or trust region (`token_ratio_max`, per step the "
+        "maximum over its optimizer updates; for `reco_response_only` it is r).",
+        "",
+        stability.stability_table(rows, solves_nothing),
         f"## Training metrics ({args.rl_steps} steps)",
         "",
         "On the rollout groups; per run the mean of the first -> last 20 steps, then over seeds:",
         "",
-        analysis.training_table(
-            {
-                m: [
-                    analysis.read_metrics(
-                        args.out.resolve() / "runs" / f"{m}-s{s}" / "metrics.jsonl", args.rl_steps
-                    )
-                    for s in args.seeds
-                ]
-                for m in methods
-            }
-        ),
+        analysis.training_table(rows),
         "`distinct correct`: distinct correct solutions per problem among the n samples (answers",
         "equal up to commutativity and associativity count once); `unique %`: distinct responses",
         f"/ n. pass@k at every k with its interval: `{curves_json.name}`. Raw per-problem counts:",

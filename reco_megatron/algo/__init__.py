@@ -8,7 +8,7 @@ from reco_megatron.algo.advantages import group_advantages
 from reco_megatron.algo.config import PRESETS, LossConfig
 from reco_megatron.algo.metrics import merge_metrics, reduction_of
 from reco_megatron.algo.passk import diversity_metrics, pass_at_k
-from reco_megatron.algo.policy_loss import aggregate, policy_loss
+from reco_megatron.algo.policy_loss import aggregate, c_growth, policy_loss
 from reco_megatron.algo.ratios import TokenRatio, token_ratio
 from reco_megatron.algo.token_stats import TokenStats, token_stats_reference
 from reco_megatron.algo.weights import response_weights
@@ -19,6 +19,7 @@ __all__ = [
     "TokenRatio",
     "TokenStats",
     "aggregate",
+    "c_growth",
     "diversity_metrics",
     "group_advantages",
     "merge_metrics",

@@ -43,8 +43,8 @@ def _optional_positive(name: str, value: object, hint: str) -> None:
 class LossConfig:
     """Configuration of :func:`reco_megatron.algo.policy_loss` and its helpers.
 
-    The defaults are the ReCo loss (sequence weights, Bernoulli ratio, PPO-clip mask,
-    token-mean) without the KL term that the ``reco`` preset inherits from GRPO. See
+    The defaults are the ReCo loss (sequence weights, Bernoulli ratio, PPO-clip mask, trust
+    region on c, token-mean) without the KL term that the ``reco`` preset inherits from GRPO. See
     ``docs/loss.md`` for the formulas and :meth:`preset` for the baselines.
     """
 
@@ -103,7 +103,19 @@ class LossConfig:
     ``>= prob_eps``) in the Bernoulli / categorical ratios (in (0, 0.5))."""
 
     c_max: float = 10.0
-    """Cap of the Bernoulli / categorical ratio c (>= 1)."""
+    """Cap of the *value* of the Bernoulli / categorical ratio c (>= 1). A backstop, not a
+    trust region: a capped token still gets the coefficient ``c_max`` (see ``c_trust``)."""
+
+    c_trust: bool = True
+    """Trust region on the variance ratio c of the ``reco`` objective (the ReCo default):
+    the coefficient is ``min(c, 1 + eps_c)``, and a token has no policy term where
+    ``c > 1 + eps_c`` and the update would raise c further (Bernoulli: ``A (1 - 2p) > 0``;
+    categorical: ``A (sum_v p_v^2 - p) > 0``). ``False`` gives the paper's plain form
+    (coefficient c, capped only by ``c_max``). No effect with ``token_ratio="importance"``,
+    whose ratio the PPO clip already bounds. ``docs/loss.md`` says why."""
+
+    c_trust_eps: float | None = None
+    """Width eps_c of the trust region on c (> 0); ``None`` uses ``eps_high``."""
 
     max_log_ratio: float = 20.0
     """``log r`` is clamped to ``[-max_log_ratio, max_log_ratio]`` before ``exp`` so r stays
@@ -178,6 +190,15 @@ class LossConfig:
             raise ValueError(f"prob_eps must be in (0, 0.5), got {self.prob_eps} (try 1e-6)")
         if not self.c_max >= 1.0:
             raise ValueError(f"c_max must be >= 1, got {self.c_max}: c == 1 at the old policy")
+        if self.c_trust_eps is not None and not (
+            isinstance(self.c_trust_eps, int | float)
+            and math.isfinite(self.c_trust_eps)
+            and self.c_trust_eps > 0
+        ):
+            raise ValueError(
+                f"c_trust_eps must be a finite number > 0 or None (= eps_high), got "
+                f"{self.c_trust_eps!r}; to turn the trust region on c off, set c_trust=False"
+            )
         if not self.max_log_ratio > 0.0:
             raise ValueError(f"max_log_ratio must be > 0, got {self.max_log_ratio} (try 20.0)")
         if not 0.0 < self.geometric_w_min <= 1.0:
@@ -212,6 +233,14 @@ class LossConfig:
         if self.loss_normalizer is not None and not self.loss_normalizer > 0:
             raise ValueError(f"loss_normalizer must be > 0 or None, got {self.loss_normalizer}")
 
+    @property
+    def c_trust_bound(self) -> float | None:
+        """``1 + eps_c`` when the trust region on c acts (``reco`` objective, a variance
+        ratio, ``c_trust``), else ``None``."""
+        if not (self.c_trust and self.objective == "reco" and self.token_ratio != "importance"):
+            return None
+        return 1.0 + (self.eps_high if self.c_trust_eps is None else self.c_trust_eps)
+
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> LossConfig:
         """The config of a named method, with keyword overrides applied on top.
@@ -228,7 +257,10 @@ class LossConfig:
           every token, no lower bound, token-mean, no KL. The paper tunes only eps_high and does
           not print it; 0.2 follows verl's canonical CISPO example (clip_ratio_high=0.2).
         - ``reco``: ReCo (arXiv 2607.26862): GRPO plus sequence response weights and the
-          Bernoulli token ratio under the PPO-clip mask.
+          Bernoulli token ratio under the PPO-clip mask, with the trust region on c
+          (``c_trust``, width eps_high): without it ReCo can collapse (``docs/loss.md``).
+        - ``reco_plain``: ``reco`` in the paper's plain form (``c_trust=False``: coefficient c,
+          capped only by ``c_max``), for ablations.
         - ``reco_response_only`` / ``reco_token_only``: ReCo with the token ratio set back to
           ``importance`` / the response weight set to ``none`` (ablations).
 
@@ -249,6 +281,7 @@ _GRPO: dict[str, Any] = dict(
     advantage_mode="grpo",
     response_weight="none",
     token_ratio="importance",
+    c_trust=False,
     eps_low=0.2,
     eps_high=0.2,
     kl_coef=0.04,
@@ -260,6 +293,7 @@ _RECO: dict[str, Any] = {
     "objective": "reco",
     "response_weight": "sequence",
     "token_ratio": "bernoulli",
+    "c_trust": True,
 }
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -273,7 +307,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     "cispo": {**_GRPO, "objective": "cispo", "cispo_eps_high": 0.2, "kl_coef": 0.0},
     "reco": _RECO,
-    "reco_response_only": {**_RECO, "token_ratio": "importance"},
+    "reco_plain": {**_RECO, "c_trust": False},
+    "reco_response_only": {**_RECO, "token_ratio": "importance", "c_trust": False},
     "reco_token_only": {**_RECO, "response_weight": "none"},
 }
 """Field values of each named preset; see :meth:`LossConfig.preset`."""

@@ -54,6 +54,34 @@ def aggregate(
     return (lt.sum(dim=-1) / loss_normalizer).sum() / n_seq
 
 
+def c_growth(
+    logp: torch.Tensor, token_ratio: str, sum_p2: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The sign of ``d log c / d log p`` per token (detached, ``[B, T]``): where it is
+    positive, raising the sampled token's probability raises the variance ratio c.
+
+    - ``bernoulli``: ``d log c / d log p = (1 - 2p) / (1 - p)``, returned as ``1 - 2p``;
+    - ``categorical``: with the other tokens keeping their shares of ``1 - p``
+      (``p_v = (1 - p) q_v``), ``d log V / d log p = 2p (S - p) / ((1 - p)(1 - S))`` with
+      ``S = sum_v p_v^2`` and ``V = 1 - S``; returned as ``S - p``. With two outcomes
+      ``S - p = (1 - p)(1 - 2p)``: the Bernoulli case. Needs ``sum_p2`` (current policy).
+
+    A policy-gradient update moves log p in the direction of the advantage A (the loss
+    gradient on log p is ``-c A``), so the update raises c exactly where ``A * c_growth > 0``.
+    """
+    p = torch.exp(logp.detach())
+    if token_ratio == "bernoulli":
+        return 1.0 - 2.0 * p
+    if token_ratio == "categorical":
+        if sum_p2 is None:
+            raise ValueError("c_growth for token_ratio='categorical' needs sum_p2 [B, T]")
+        return sum_p2.detach().to(p.dtype) - p
+    raise ValueError(
+        f"c_growth is defined for the variance ratios 'bernoulli' and 'categorical', got "
+        f"{token_ratio!r}"
+    )
+
+
 def _check_inputs(
     logp: torch.Tensor,
     logp_old: torch.Tensor,
@@ -112,7 +140,10 @@ def policy_loss(
         - ``reco``: ``-w sg(c) A log p`` on tokens where the clip does not fire in A's
           direction (not (A > 0 and r > 1+eps_high), not (A < 0 and r < 1-eps_low), not
           (A < 0 and r > dual_clip_c) when set), 0 else; so ``d loss / d log p = -w c A / Z``
-          there, with Z the aggregation denominator;
+          there, with Z the aggregation denominator. With the trust region on c
+          (``cfg.c_trust_bound`` = 1 + eps_c not None) the coefficient is ``min(c, 1 + eps_c)``
+          and tokens with ``c > 1 + eps_c`` whose update would raise c further
+          (``A * c_growth > 0``, :func:`c_growth`) are dropped as well;
         - ``cispo``: ``-w sg(clip(r, 1-cispo_eps_low, 1+cispo_eps_high)) A log p``, 0 where
           A < 0 and r > dual_clip_c (when set).
         plus ``kl_coef * KL_t`` (clamped to ``±kl_clamp`` when set) and ``- entropy_coef * H_t``.
@@ -168,6 +199,7 @@ def policy_loss(
         clip_dual = maskb & (adv < 0) & (r > cfg.dual_clip_c)
 
     c_raw: torch.Tensor | None = None
+    clip_c = torch.zeros_like(maskb)
     if cfg.objective == "ppo_clip":
         surr = -adv * ratio
         surr_clipped = -adv * ratio.clamp(1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
@@ -190,7 +222,12 @@ def policy_loss(
         )
         c = tr.ratio.detach()
         c_raw = tr.raw
-        per_token = torch.where(clip_high | clip_low | clip_dual, zeros, -(c * adv) * lp)
+        bound = cfg.c_trust_bound
+        if bound is not None:
+            clip_c = maskb & (c_raw > bound) & (adv * c_growth(lp, cfg.token_ratio, sum_p2) > 0)
+            c = c.clamp(max=bound)
+        dropped = clip_high | clip_low | clip_dual | clip_c
+        per_token = torch.where(dropped, zeros, -(c * adv) * lp)
     else:
         lo = 0.0 if cfg.cispo_eps_low is None else 1.0 - cfg.cispo_eps_low
         coef = r.clamp(min=lo, max=1.0 + cfg.cispo_eps_high)
@@ -233,6 +270,8 @@ def policy_loss(
         metrics = _metrics(maskb, r, lp, lp_old, clip_low, clip_high, c_raw, weights, kl_tok)
         if cfg.dual_clip_c is not None:
             metrics["clip_frac_dual/mean"] = masked_mean(clip_dual.float(), maskb)
+        if cfg.c_trust_bound is not None:
+            metrics["clip_frac_c/mean"] = masked_mean(clip_c.float(), maskb)
         if entropy is not None:
             metrics["entropy/mean"] = masked_mean(entropy, maskb)
         if tis is not None:

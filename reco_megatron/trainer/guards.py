@@ -12,9 +12,12 @@ Stop signals (SIGTERM, SIGUSR1, Ctrl-C) are handled in ``stop_signals``.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
+from reco_megatron.rewards.types import PARSE_FAILURE
 from reco_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -32,8 +35,10 @@ class StabilityConfig:
 
     max_consecutive_skips: int = 5
     """Stop the run after this many consecutive skipped optimizer steps (NaN/Inf or guards)."""
-    token_ratio_max: float = 1e3
-    """Largest ReCo token ratio c (before the cap) allowed; far above c_max means p_old ~ 0|1."""
+    token_ratio_max: float | None = None
+    """Largest raw ReCo token ratio c (before any cap) allowed; ``None`` (default): the loss's
+    ``c_max``, so a warning whenever the value cap binds. A raw c far above 1 means a
+    near-certain token (p_old near 1) lost probability: ``c = r (1-p)/(1-p_old)``."""
     token_ratio_action: Action = "warn"
     """Action when ``token_ratio_max`` is exceeded."""
     ratio_max: float = 1e3
@@ -52,11 +57,42 @@ class StabilityConfig:
     """Smallest mean token entropy (nats); collapse towards 0 means no exploration (0: off)."""
     entropy_action: Action = "warn"
     """Action when the entropy falls below ``entropy_min``."""
+    dead_run_steps: int = 5
+    """A run that has earned a reward is *dead* after this many consecutive steps in which
+    every reward is 0 or more than ``dead_run_unparsable_frac`` of the responses have an
+    answer the reward cannot parse: every advantage is 0 and nothing brings it back
+    (``docs/stability.md``). 0 turns the check off."""
+    dead_run_unparsable_frac: float = 0.25
+    """Share of a step's responses with an unparsable answer (the reward's ``parse_failure``
+    verdict) that counts as a dead step (in (0, 1])."""
+    dead_run_action: Literal["warn", "stop"] = "stop"
+    """``stop``: exit with status 3 and one line naming the last checkpoint saved before the
+    run died; ``warn``: log that line and go on (e.g. to study a collapse)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_consecutive_skips, int) or self.max_consecutive_skips < 1:
             raise ValueError(
                 f"stability.max_consecutive_skips must be >= 1, got {self.max_consecutive_skips!r}"
+            )
+        if not isinstance(self.dead_run_steps, int) or self.dead_run_steps < 0:
+            raise ValueError(
+                f"stability.dead_run_steps must be an integer >= 0 (0: off), got "
+                f"{self.dead_run_steps!r}"
+            )
+        if not 0.0 < self.dead_run_unparsable_frac <= 1.0:
+            raise ValueError(
+                f"stability.dead_run_unparsable_frac must be in (0, 1], got "
+                f"{self.dead_run_unparsable_frac!r} (1.0 counts only steps where every reward "
+                "is 0)"
+            )
+        if self.dead_run_action not in ("warn", "stop"):
+            raise ValueError(
+                f"stability.dead_run_action must be warn or stop, got {self.dead_run_action!r}"
+            )
+        if self.token_ratio_max is not None and not self.token_ratio_max >= 1.0:
+            raise ValueError(
+                f"stability.token_ratio_max must be >= 1 or None (= loss.c_max), got "
+                f"{self.token_ratio_max!r}: c == 1 at the old policy"
             )
         for name in ("token_ratio", "ratio", "weight_ess", "kl", "entropy"):
             action = getattr(self, f"{name}_action")
@@ -72,8 +108,9 @@ _ORDER = {"ok": 0, "warn": 1, "skip": 2, "stop": 3}
 class StabilityGuard:
     """Decides ``ok`` / ``warn`` / ``skip`` / ``stop`` for one optimizer step's metrics."""
 
-    def __init__(self, cfg: StabilityConfig) -> None:
+    def __init__(self, cfg: StabilityConfig, c_max: float = math.inf) -> None:
         self.cfg = cfg
+        self.token_ratio_max = c_max if cfg.token_ratio_max is None else cfg.token_ratio_max
         self.consecutive_skips = 0
         self.total_skips = 0
         self.fired: dict[str, int] = {}
@@ -83,7 +120,7 @@ class StabilityGuard:
         return [
             (
                 "token_ratio_max",
-                m.get("token_ratio_max", 0.0) > c.token_ratio_max,
+                m.get("token_ratio_max", 0.0) > self.token_ratio_max,
                 c.token_ratio_action,
             ),
             ("ratio_max", m.get("ratio_max", 0.0) > c.ratio_max, c.ratio_action),
@@ -100,7 +137,8 @@ class StabilityGuard:
         for name, crossed, action in self._checks(metrics):
             if crossed:
                 self.fired[name] = self.fired.get(name, 0) + 1
-                reasons.append(f"{name}={metrics.get(name)!r} ({action})")
+                hint = f": {self.describe(name)}" if name == "token_ratio_max" else ""
+                reasons.append(f"{name}={metrics.get(name)!r} ({action}{hint})")
                 if _ORDER[action] > _ORDER[decision]:
                     decision = action
         if decision == "stop":
@@ -120,3 +158,118 @@ class StabilityGuard:
             if decision == "warn":
                 logger.warning("stability: %s", "; ".join(reasons))
         return decision
+
+    def describe(self, name: str) -> str:
+        """What a fired check means, for the warning."""
+        if name == "token_ratio_max":
+            return (
+                f"raw c above {self.token_ratio_max:g}: a near-certain token lost probability "
+                "(c = r (1-p)/(1-p_old)); c_max caps its value, not its push; loss.c_trust "
+                "bounds it"
+            )
+        return name
+
+
+def unparsable_count(statuses: Sequence[str] | None) -> float:
+    """How many of this rank's scored responses got the ``parse_failure`` verdict (an answer
+    was found but could not be parsed); 0 on ranks that do not score."""
+    return float(sum(status == PARSE_FAILURE for status in statuses or ()))
+
+
+class DeadRunGuard:
+    """Stops a run that has died: for ``dead_run_steps`` consecutive steps every reward was 0
+    or too many answers were unparsable, after at least one step with a non-zero reward
+    (a run that never earned one is not dead, it never lived: nothing to go back to).
+
+    :meth:`observe` takes each step's global ``metrics.jsonl`` row (``reward_nonzero_frac``,
+    ``reward_unparsable_frac``; the same on every rank, so every rank decides alike).
+    """
+
+    def __init__(
+        self,
+        cfg: StabilityConfig,
+        ckpt_root: Path,
+        init: str | None = None,
+        *,
+        save_interval: int = 0,
+        keep_last: int = 0,
+    ) -> None:
+        self.cfg = cfg
+        self.ckpt_root = Path(ckpt_root)
+        self.init = init
+        self.armed = False
+        self.streak_start: int | None = None
+        k = cfg.dead_run_steps
+        # the stop comes before the save of the streak's k-th step, so the newest checkpoint
+        # is at most k - 2 steps after the streak began; the kept ones reach
+        # (keep_last - 1) * save_interval further back, and must reach 2 steps before it
+        if k and save_interval and keep_last and (keep_last - 1) * save_interval < k:
+            logger.warning(
+                "checkpoint.keep_last=%d x checkpoint.save_interval=%d may rotate out the last "
+                "checkpoint from before a dead run (stability.dead_run_steps=%d): keep at least "
+                "%d checkpoints to be able to go back",
+                keep_last,
+                save_interval,
+                k,
+                1 + -(-k // save_interval),
+            )
+
+    def is_dead_step(self, row: dict[str, float]) -> bool:
+        """Whether one step's row is dead: no non-zero reward, or too many unparsable answers."""
+        no_reward = row.get("reward_nonzero_frac", 1.0) == 0.0
+        unparsable = row.get("reward_unparsable_frac", 0.0) > self.cfg.dead_run_unparsable_frac
+        return no_reward or unparsable
+
+    def last_good_checkpoint(self) -> str:
+        """The newest checkpoint still on disk whose weights sampled a live step: saved at a
+        step k with k + 1 < the first dead step (the weights after step k sample step k + 1)."""
+        assert self.streak_start is not None
+        steps = []
+        for path in self.ckpt_root.glob("step_*"):
+            try:
+                k = int(path.name.removeprefix("step_"))
+            except ValueError:
+                continue
+            if k + 1 < self.streak_start and (path / "meta.json").exists():
+                steps.append((k, path))
+        if steps:
+            return str(max(steps)[1])
+        if self.init:
+            return f"{self.init} (the initial weights; no checkpoint of this run is older)"
+        return (
+            "none (no checkpoint of this run predates it: save more often, "
+            "checkpoint.save_interval, or keep more, checkpoint.keep_last)"
+        )
+
+    def observe(self, row: dict[str, float]) -> None:
+        """Update the streak with one step's row; raise :class:`StabilityStop` (action
+        ``stop``) or log one warning (``warn``) when the run is dead."""
+        k = self.cfg.dead_run_steps
+        if not k:
+            return
+        step = int(row["step"])
+        dead = self.is_dead_step(row)
+        if not dead:
+            self.streak_start = None
+            self.armed = self.armed or row.get("reward_nonzero_frac", 0.0) > 0.0
+            return
+        if not self.armed:
+            return
+        if self.streak_start is None:
+            self.streak_start = step
+        if step - self.streak_start + 1 != k:  # fire once per streak, at its k-th step
+            return
+        message = (
+            f"dead run: steps {self.streak_start}-{step} had no non-zero reward or more than "
+            f"{self.cfg.dead_run_unparsable_frac:.0%} unparsable answers (last: reward "
+            f"{row.get('reward_mean', float('nan')):.3g}, unparsable "
+            f"{row.get('reward_unparsable_frac', float('nan')):.0%}); last good checkpoint: "
+            f"{self.last_good_checkpoint()}"
+        )
+        if self.cfg.dead_run_action == "stop":
+            raise DeadRunStop(message)
+        logger.warning("%s", message)
+
+
+class DeadRunStop(StabilityStop):
+    """The dead-run guard stopped the run (exit status 3)."""

@@ -38,7 +38,7 @@ from reco_megatron.rewards.pool import RewardPool
 from reco_megatron.trainer import reward_health, setup
 from reco_megatron.trainer.config import TrainConfig
 from reco_megatron.trainer.config_history import CONFIG_HEADER, ResumeCheck
-from reco_megatron.trainer.guards import StabilityGuard
+from reco_megatron.trainer.guards import DeadRunGuard, StabilityGuard, unparsable_count
 from reco_megatron.trainer.metrics_writer import (
     MetricsWriter,
     plot_training_curves,
@@ -126,7 +126,15 @@ class Trainer:
         self.step = 0
         self.sft_from: int | None = None  # the SFT step to continue from, None: no warm-up
         self.unsaved_progress = False  # trained since the last checkpoint (or the start)
-        self.guard = StabilityGuard(cfg.stability)
+        self.guard = StabilityGuard(cfg.stability, c_max=cfg.loss.c_max)
+        ck = cfg.checkpoint
+        self.dead_run = DeadRunGuard(
+            cfg.stability,
+            self.ckpt_root,
+            ck.init_megatron or ck.init_hf or None,
+            save_interval=ck.save_interval,
+            keep_last=ck.keep_last,
+        )
         loaded = self._initialise_weights()
         if self.rank == 0:
             self.resume.record(self.step, loaded)
@@ -217,14 +225,18 @@ class Trainer:
             scores = torch.tensor(batch.scores, dtype=torch.float64)
             metrics, statuses = dict(batch.metrics), batch.statuses
         group = self.layout.mp_group
-        buf = torch.cat([scores, reward_health.local_counts(statuses, n)])
+        unparsable = torch.tensor([unparsable_count(statuses)], dtype=torch.float64)
+        buf = torch.cat([scores, reward_health.local_counts(statuses, n), unparsable])
         buf = buf.to(collective_device(group))
         if dist.get_world_size(group) > 1:
             dist.broadcast(buf, src=dist.get_global_rank(group, 0), group=group)
         counts = buf[n:].clone()
         if self.dp_size > 1:
             dist.all_reduce(counts, group=self.layout.dp_group)
-        return buf[:n].cpu().float(), metrics, reward_health.failure_row(counts.cpu())
+        counts = counts.cpu()
+        row = reward_health.failure_row(counts[:-1])
+        row["reward_unparsable_frac"] = float(counts[-1]) / max(float(counts[-2]), 1.0)
+        return buf[:n].cpu().float(), metrics, row
 
     def train_step(self) -> dict[str, Any]:
         cfg = self.cfg
@@ -332,6 +344,7 @@ class Trainer:
                 self.unsaved_progress = True
                 if self.writer is not None:
                     self.writer.write(row)
+                self.dead_run.observe(row)
                 self._evaluate_coverage()
                 interval = cfg.checkpoint.save_interval
                 if interval and self.step % interval == 0 and self.step < cfg.trainer.max_steps:

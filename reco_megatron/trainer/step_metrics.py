@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -10,10 +11,6 @@ import torch.distributed as dist
 from reco_megatron.algo import diversity_metrics, pass_at_k
 from reco_megatron.megatron.device import collective_device
 from reco_megatron.megatron.microbatching import step_batching_metrics
-
-
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values) if values else float("nan")
 
 
 def rollout_counters(
@@ -25,6 +22,7 @@ def rollout_counters(
     correct = (rewards >= 1.0).view(-1, g).sum(dim=1).tolist()
     out: dict[str, float] = {
         "reward_sum": float(rewards.sum()),
+        "reward_nonzero_sum": float((rewards != 0).sum()),
         "num_responses": float(len(responses)),
         "response_len_sum": float(sum(len(r) for r in responses)),
         "truncated_sum": float(
@@ -43,6 +41,48 @@ def rollout_counters(
     return out
 
 
+UPDATE_METRICS: tuple[tuple[str, str, str], ...] = (
+    # (engine metric, metrics.jsonl column, reduction over the optimizer updates of a step)
+    ("loss", "loss", "mean"),
+    ("entropy", "entropy_mean", "mean"),
+    ("clip_frac", "clip_frac", "mean"),
+    ("clip_frac_c", "clip_frac_c", "mean"),
+    ("weight_mean", "weight_mean", "mean"),
+    ("weight_ess", "weight_ess", "mean"),
+    ("weight_active", "weight_active", "mean"),
+    ("grad_norm", "grad_norm", "mean"),
+    ("grad_norm", "grad_norm_max", "max"),
+    ("kl_old_new", "kl_old_new", "mean"),
+    ("token_ratio_max", "token_ratio_max", "max"),
+    ("ratio_max", "ratio_max", "max"),
+    ("lr", "lr", "mean"),
+    ("update_skipped", "updates_skipped", "sum"),
+)
+"""How each per-update engine metric becomes one number per RL step: ``mean`` over the
+updates, ``max`` (a maximum stays a maximum: the first update of a rollout batch always has
+r = c = 1, so a mean would halve a spike) or ``sum`` (counts). A metric absent from every
+update is NaN (e.g. ``weight_mean`` without response weights)."""
+
+
+def combine_updates(updates: list[dict[str, float]]) -> dict[str, float]:
+    """One step's columns from the global metrics of its optimizer updates (in order),
+    by :data:`UPDATE_METRICS`. NaN values (e.g. ``grad_norm`` of a skipped update) are
+    ignored by ``mean`` and ``max``; a metric that is NaN in every update is NaN."""
+    out: dict[str, float] = {}
+    for name, column, reduction in UPDATE_METRICS:
+        values = [float(m[name]) for m in updates if name in m]
+        finite = [v for v in values if not math.isnan(v)]
+        if reduction == "sum":
+            out[column] = float(sum(values))
+        elif not finite:
+            out[column] = float("nan")
+        elif reduction == "max":
+            out[column] = max(finite)
+        else:
+            out[column] = sum(finite) / len(finite)
+    return out
+
+
 def global_row(
     step: int,
     local: dict[str, float],
@@ -55,7 +95,8 @@ def global_row(
 ) -> dict[str, Any]:
     """One ``metrics.jsonl`` row: the rollout counters summed over DP ranks (collective over
     ``layout.dp_group``), the engine's per-update metrics (already global, broadcast from the
-    last stage) averaged over the updates of this step, and the parse failures of the responses."""
+    last stage) combined over the updates of this step (:func:`combine_updates`), and the
+    parse failures of the responses."""
     keys = sorted(local)
     t = torch.tensor([local[k] for k in keys], dtype=torch.float64)
     t = t.to(collective_device(layout.dp_group))
@@ -66,6 +107,7 @@ def global_row(
     row: dict[str, Any] = {
         "step": step,
         "reward_mean": s["reward_sum"] / n,
+        "reward_nonzero_frac": s["reward_nonzero_sum"] / n,
         "response_len_mean": s["response_len_sum"] / n,
         "truncated_frac": s["truncated_sum"] / n,
         "unique_frac": s["unique_frac_sum"] / groups,
@@ -78,23 +120,9 @@ def global_row(
             row[key.removesuffix("_sum")] = s[key] / groups
     last = [engine.broadcast_metrics(m) for m in steps]
     prep = engine.broadcast_metrics(prep)
-    for name, out in (
-        ("loss", "loss"),
-        ("entropy", "entropy_mean"),
-        ("clip_frac", "clip_frac"),
-        ("weight_mean", "weight_mean"),
-        ("weight_ess", "weight_ess"),
-        ("weight_active", "weight_active"),
-        ("grad_norm", "grad_norm"),
-        ("kl_old_new", "kl_old_new"),
-        ("token_ratio_max", "token_ratio_max"),
-        ("ratio_max", "ratio_max"),
-        ("lr", "lr"),
-    ):
-        row[out] = _mean([m[name] for m in last if name in m])
+    row.update(combine_updates(last))
     row["logprob_mismatch"] = prep.get("logprob_mismatch", float("nan"))
     row.update(moe_columns(prep, last))
-    row["updates_skipped"] = sum(m.get("update_skipped", 0.0) for m in last)
     row["zero_adv_frac"] = float(adv_metrics.get("zero_adv_frac/mean", float("nan")))
     row.update(step_batching_metrics(prep, last))  # pad_frac, micro-batches, DP balance
     for key, value in reward_metrics.items():
@@ -117,7 +145,7 @@ def moe_columns(prep: dict[str, float], steps: list[dict[str, float]]) -> dict[s
     for key in MOE_STEPS:
         values = [m[key] for m in steps if key in m]
         if values:
-            row[key] = _mean(values)
+            row[key] = sum(values) / len(values)
     worst = [m["moe_load_imbalance_max"] for m in steps if "moe_load_imbalance_max" in m]
     if worst:
         row["moe_load_imbalance_max"] = max(worst)

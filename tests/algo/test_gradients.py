@@ -54,7 +54,10 @@ def _clipped(d: dict, logp: torch.Tensor, eps_low: float, eps_high: float) -> to
 @pytest.mark.parametrize("ratio_mode", ["bernoulli", "categorical", "importance"])
 def test_reco_gradient_is_w_c_a(ratio_mode: str) -> None:
     d = _batch()
-    cfg = LossConfig(objective="reco", token_ratio=ratio_mode, response_weight="sequence")
+    # the paper's plain form (the trust region on c: tests/algo/test_c_trust.py)
+    cfg = LossConfig(
+        objective="reco", token_ratio=ratio_mode, response_weight="sequence", c_trust=False
+    )
     grad = _grad(cfg, d)
     c = token_ratio(
         d["logp"], d["logp_old"], ratio_mode, sum_p2=d["s2"], sum_p2_old=d["s2_old"]
@@ -113,8 +116,9 @@ def test_reco_importance_equals_ppo_clip_gradient(dual_clip_c: float | None) -> 
 def test_dual_clip_masks_reco_and_cispo(objective: str, ratio_mode: str) -> None:
     # Exactly the dual-clip tokens (A < 0, r > c) lose their gradient; the others keep it.
     d = _batch(spread=1.0)
-    base = _grad(LossConfig(objective=objective, token_ratio=ratio_mode), d)
-    dual = _grad(LossConfig(objective=objective, token_ratio=ratio_mode, dual_clip_c=1.5), d)
+    kw = dict(objective=objective, token_ratio=ratio_mode, c_trust=False)  # the dual clip alone
+    base = _grad(LossConfig(**kw), d)
+    dual = _grad(LossConfig(**kw, dual_clip_c=1.5), d)
     r = torch.exp(d["logp"] - d["logp_old"])
     fired = d["mask"].bool() & (d["adv"][:, None] < 0) & (r > 1.5)
     assert fired.any() and (base[fired] != 0).all()

@@ -59,7 +59,11 @@ def _split_loss_and_grad(cfg: LossConfig, d: dict, num_micro: int):
 
 
 CONFIGS = [
+    # the default: trust region on c, eps_c = 0.2 (bites on this data: see test_trust_region_bites)
     pytest.param(dict(objective="reco", token_ratio="bernoulli"), id="reco-bernoulli"),
+    pytest.param(
+        dict(objective="reco", token_ratio="bernoulli", c_trust=False), id="reco-bernoulli-plain"
+    ),
     pytest.param(dict(objective="reco", token_ratio="categorical"), id="reco-categorical"),
     pytest.param(
         dict(objective="ppo_clip", token_ratio="importance", kl_coef=0.1, entropy_coef=0.01),
@@ -95,3 +99,13 @@ def test_local_counts_are_not_invariant() -> None:
         for i in torch.arange(B).chunk(2)
     )
     assert not torch.allclose(full, parts, rtol=1e-6)
+
+
+def test_trust_region_bites() -> None:
+    """The data of the split tests makes the trust region on c drop tokens (else the
+    invariance with the option on would be vacuous)."""
+    d = _data()
+    cfg = LossConfig(objective="reco", token_ratio="bernoulli")
+    w = response_weights(d["logp_old"], d["mask"], G, "sequence").double()
+    _, m = policy_loss(d["logp"], d["logp_old"], d["adv"], d["mask"], cfg, weights=w)
+    assert float(m["clip_frac_c/mean"]) > 0

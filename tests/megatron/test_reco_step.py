@@ -27,7 +27,9 @@ LOSS_ATOL = 1e-5
 
 
 def _update_body(rank, world_size, tp, pp, mbs, reference, preset, family="llama", fused=False):
-    loss = LossConfig.preset(preset, kl_coef=0.0)
+    # a narrow trust region on c (eps_c 0.05) so that it masks tokens on the second step and
+    # every layout must agree on which
+    loss = LossConfig.preset(preset, kl_coef=0.0, c_trust_eps=0.05)
     model = _reco.model_config(family, tie_word_embeddings=family == "qwen2")
     engine = _reco.build_engine(
         tp=tp, pp=pp, micro_batch_size=mbs, loss=loss, model=model, fused_output_layer=fused
@@ -62,7 +64,14 @@ def _compare(got: dict, want: dict) -> None:
     for name, value in want["params"].items():
         torch.testing.assert_close(got["params"][name], value, atol=PARAM_ATOL, rtol=0, msg=name)
     for got_step, want_step in zip(got["steps"], want["steps"], strict=True):
-        for key in ("loss", "clip_frac", "entropy", "token_ratio_max", "weight_mean"):
+        for key in (
+            "loss",
+            "clip_frac",
+            "clip_frac_c",
+            "entropy",
+            "token_ratio_max",
+            "weight_mean",
+        ):
             assert got_step[key] == pytest.approx(want_step[key], abs=LOSS_ATOL), key
 
 
@@ -87,6 +96,7 @@ def test_update_moves_weights_and_token_ratio_acts_on_second_step(reference_weig
     assert first["clip_frac"] == 0.0
     # After one step the Bernoulli ratio differs from 1 somewhere.
     assert second["token_ratio_max"] != 1.0
+    assert first["clip_frac_c"] == 0.0 and second["clip_frac_c"] > 0.0
     moved = max(
         float((single["params"][k] - reference_weights[k]).abs().max()) for k in reference_weights
     )

@@ -109,3 +109,18 @@ def fails_on_some_targets(response: str, gold: str) -> object:
     if target % 3 == 0:
         raise ValueError(f"cannot grade target {target}")
     return None if target % 3 == 1 else 0.0
+
+
+def alive_then_dead(response: str, gold: str) -> float:
+    """1.0 for the first ``$RECO_TEST_ALIVE_ITEMS`` real items scored (counted across worker
+    processes in the file ``$RECO_TEST_COUNTER``, one byte appended per item), 0.0 after:
+    a run that learns, then dies."""
+    if (response, gold) == ("", ""):
+        return 0.0
+    fd = os.open(os.environ["RECO_TEST_COUNTER"], os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    try:
+        os.write(fd, b".")
+        count = os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+    return 1.0 if count <= int(os.environ["RECO_TEST_ALIVE_ITEMS"]) else 0.0
