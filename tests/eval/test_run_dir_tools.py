@@ -29,7 +29,7 @@ def _train(rank, world, out: str) -> int:
         [
             "examples/tiny_cpu.yaml",
             *TINY_RUN,
-            "sft.steps=0",
+            "sft.steps=2",
             "trainer.max_steps=1",
             f"trainer.output_dir={out}",
         ]
@@ -110,6 +110,24 @@ def test_reco_eval_takes_everything_from_the_run(run_dir: Path) -> None:
     assert [p["n"] for p in entry["problems"]] == [2, 2]
 
 
+def test_base_and_trained_in_one_reco_eval_call(run_dir: Path, tmp_path: Path) -> None:
+    """The command the end-of-run summary prints: the step-0 checkpoint (the end of the SFT
+    warm-up, kept by every keep_last) against the run's latest, one table and one plot."""
+    assert (run_dir / "checkpoints" / "step_00000000" / "meta.json").exists()
+    out = tmp_path / "compare"
+    argv = [
+        f"base={run_dir / 'checkpoints' / 'step_00000000'}",
+        f"trained={run_dir}",
+        *("--n", "2", "--kmax", "2", "--limit", "2", "--no-progress", "--reward-workers", "1"),
+        *("--out", str(out)),
+    ]
+    (code,) = run_distributed(_evaluate, 1, args=(argv,), timeout=600)
+    assert code == 0
+    entries = json.loads((out / "passk.json").read_text())["checkpoints"]
+    assert [e["label"] for e in entries] == ["base", "trained"]
+    assert (out / "passk.png").exists() and "| trained |" in (out / "passk.md").read_text()
+
+
 def test_resume_with_nothing_left_and_output_modes(run_dir: Path) -> None:
     """A finished run started again: "nothing to do", no empty progress bar; the resolved
     config.yaml has the mode of the run's other files (it was 0600)."""
@@ -125,7 +143,7 @@ def test_resume_with_nothing_left_and_output_modes(run_dir: Path) -> None:
     proc = subprocess.run(
         [
             *(sys.executable, "-m", "reco_megatron.train", "examples/tiny_cpu.yaml", *TINY_RUN),
-            *("sft.steps=0", "trainer.max_steps=1", "trainer.progress=true"),
+            *("sft.steps=2", "trainer.max_steps=1", "trainer.progress=true"),
             f"trainer.output_dir={run_dir}",
         ],
         cwd=ROOT,
@@ -146,7 +164,7 @@ def _train_capturing(rank, world, out: str, extra: list[str]) -> tuple[int, str]
     from reco_megatron.train import main
 
     sys.stderr = io.StringIO()
-    args = [*TINY_RUN, "sft.steps=0", "trainer.max_steps=2", f"trainer.output_dir={out}"]
+    args = [*TINY_RUN, "sft.steps=2", "trainer.max_steps=2", f"trainer.output_dir={out}"]
     code = main(["examples/tiny_cpu.yaml", *args, *extra])
     return code, sys.stderr.getvalue()
 
