@@ -95,7 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_BAD_CONFIG
     from reco_megatron.trainer.stop_signals import StopSignals
 
-    signals = StopSignals().install()  # every phase, until main returns
+    signals = StopSignals()  # installed after the pre-flight, kept until main returns
     try:
         return _train(cfg, signals)
     finally:

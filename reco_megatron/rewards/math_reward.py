@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from itertools import product
 
 from reco_megatron.rewards.extract import extract_final_answer, last_number
@@ -53,12 +54,22 @@ def _parse_one(text: str, timeout: int | None) -> list:
     from math_verify import parse
     from math_verify.errors import TimeoutException
 
+    start = time.monotonic()
     try:
         return parse(text, parsing_timeout=timeout, raise_on_error=True)
     except TimeoutException as exc:
         raise GraderTimeout(f"parsing {text[:60]!r} took over {timeout} s") from exc
     except Exception:  # sympy/antlr raise anything: unparseable, as math_verify would say
+        if _ran_out(start, timeout):  # the alarm's exception, re-raised as another one
+            raise GraderTimeout(f"parsing {text[:60]!r} took over {timeout} s") from None
         return []
+
+
+def _ran_out(start: float, timeout: int | None) -> bool:
+    """Whether a call that began at ``start`` lasted its whole alarm: sympy code that catches
+    every exception can swallow the alarm's, turning a timeout into "no match"; the clock
+    still tells."""
+    return timeout is not None and time.monotonic() - start >= timeout
 
 
 def _parse(text: str) -> list:
@@ -80,13 +91,16 @@ def _verify(gold: list, pred: list) -> bool:
     timeout = _alarm_timeout()
     timed_out = False
     for g, p in product(gold, pred):
+        start = time.monotonic()
         try:
             if verify([g], [p], timeout_seconds=timeout, raise_on_error=True):
                 return True
         except TimeoutException:
             timed_out = True
-        except Exception:  # a comparison sympy cannot make: not equal, as math_verify says
             continue
+        except Exception:  # a comparison sympy cannot make: not equal, as math_verify says
+            pass
+        timed_out = timed_out or _ran_out(start, timeout)  # an alarm sympy swallowed
     if timed_out:
         raise GraderTimeout(f"a comparison took over {timeout} s")
     return False

@@ -65,13 +65,16 @@ class Trainer:
         self.cfg = cfg
         self.phases: dict[str, float] = {}  # seconds per phase, for the end-of-run summary
         self.config_plain = config_to_dict(cfg)  # as loaded: what checkpoints record
-        self._own_signals = signals is None  # the CLI installs them before; tests may not
-        self.signals = signals or StopSignals().install()
+        self._own_signals = signals is None  # the CLI passes its own; tests may not
+        self.signals = signals or StopSignals()
         self.lock: RunLock | None = None
         self.rewards: RewardPool | None = None
         self.rollout: Any = None
         self.writer: MetricsWriter | None = None
         checked = preflight(cfg)  # ConfigError before anything is created or computed
+        # Stop signals are handled from here on: during the pure checks above there is nothing
+        # to save, and a rank that torchrun stops because another failed them dies quietly.
+        self.signals.install()
         announce_startup(cfg)
         initialize_parallel(cfg.parallel, seed=cfg.trainer.seed)
         self.layout = rank_layout()

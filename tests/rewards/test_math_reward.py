@@ -112,3 +112,20 @@ def test_a_grader_timeout_is_a_failure_not_a_wrong_answer(monkeypatch) -> None:
     result = math_reward_result(slow, "(x+1)^{400} - (x-1)^{401}")
     assert result == RewardResult(0.0, GRADER_TIMEOUT)
     assert math_reward_result(r"\boxed{2}", "2") == RewardResult(1.0, "ok")  # fast ones agree
+
+
+def test_an_alarm_swallowed_inside_the_grader_is_still_a_timeout(monkeypatch) -> None:
+    """sympy code that catches every exception can swallow math_verify's alarm, which then
+    comes back as "no match" (this made the test above depend on where the alarm landed);
+    a comparison that lasted its whole alarm is a timeout all the same."""
+    import time
+
+    import math_verify
+
+    def swallowed(gold, pred, timeout_seconds=None, **_):
+        time.sleep(timeout_seconds + 0.05)  # the alarm fired and was caught somewhere inside
+        return False
+
+    monkeypatch.setenv(GRADER_TIMEOUT_ENV, "1")
+    monkeypatch.setattr(math_verify, "verify", swallowed)
+    assert math_reward_result(r"\boxed{3}", "2") == RewardResult(0.0, GRADER_TIMEOUT)
