@@ -243,6 +243,7 @@ class Trainer:
 
     def train_step(self) -> dict[str, Any]:
         cfg = self.cfg
+        logger.debug("step %d begins", self.step + 1)  # after the last step's stop check
         g = cfg.rollout.group_size
         times: dict[str, float] = {}
         t0 = time.perf_counter()

@@ -108,8 +108,10 @@ def test_a_grader_timeout_is_a_failure_not_a_wrong_answer(monkeypatch) -> None:
     """math_verify answers "no match" when its own timeout fires; before, that scored as a
     wrong answer (status ok) and no failure was counted."""
     monkeypatch.setenv(GRADER_TIMEOUT_ENV, "1")
-    slow = r"\boxed{(x+1)^{400} - (x-1)^{400}}"
-    result = math_reward_result(slow, "(x+1)^{400} - (x-1)^{401}")
+    # ~13 s to grade without a limit (CPU, 2026-12-01); the 400th power took ~1.4 s, so a
+    # warm process sometimes finished within the 1 s alarm and the test failed
+    slow = r"\boxed{(x+1)^{1500} - (x-1)^{1500}}"
+    result = math_reward_result(slow, "(x+1)^{1500} - (x-1)^{1501}")
     assert result == RewardResult(0.0, GRADER_TIMEOUT)
     assert math_reward_result(r"\boxed{2}", "2") == RewardResult(1.0, "ok")  # fast ones agree
 

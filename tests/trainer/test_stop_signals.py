@@ -37,7 +37,7 @@ ARGS = [
     "checkpoint.keep_last=1",
     "eval.interval=0",
 ]
-ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "RECO_LOG_LEVEL": "DEBUG"}
 
 
 def test_the_state_machine() -> None:
@@ -83,13 +83,10 @@ class _Run:
             time.sleep(0.002)
 
     def wait_into_step_after(self, step: int) -> None:
-        """Until the checkpoint of ``step`` is saved and logged, then a moment: the loop has
-        passed its stop check and is inside step ``step + 1`` (a step takes > 1 s here). A
-        signal sent as soon as ``latest`` changes can land before that check: a stop with
-        nothing to save."""
-        saved = f"saved checkpoint {self.out / 'checkpoints' / f'step_{step:08d}'} ("
-        self.wait_for(lambda: saved in self.text(), f"the checkpoint of RL step {step}")
-        time.sleep(0.3)
+        """Until RL step ``step + 1`` has begun: the loop logs it (at DEBUG) after the stop
+        check that follows step ``step`` and its checkpoint, so a signal sent now lands inside
+        that step (a step takes > 0.1 s here), never at the check before it."""
+        self.wait_for(lambda: f"step {step + 1} begins" in self.text(), f"RL step {step + 1}")
 
     def signal(self, sig: int) -> None:
         os.killpg(self.proc.pid, sig)
