@@ -12,7 +12,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RERUN = "stale: run `python benchmarks/readme_numbers.py` and commit README.md + the JSON"
@@ -52,3 +57,55 @@ def test_render_words_follow_the_numbers() -> None:
     assert "does not rise" in text and "does not fall" in text and "sharpens" not in text
     assert script.compare(stored, stored) == []
     assert script.compare(stored, {**stored, "reward_last": stored["reward_last"] + 0.01})
+
+
+def _short_run(tmp_path: Path, name: str, env: dict[str, str]) -> list[dict]:
+    """The default's first steps (10 SFT, 2 RL steps) under ``env``; its metric rows, timings
+    left out (they are the only values allowed to differ)."""
+    out = tmp_path / name
+    cmd = [
+        sys.executable,
+        "-m",
+        "reco_megatron.train",
+        "examples/tiny_cpu.yaml",
+        "sft.steps=10",
+        "trainer.max_steps=2",
+        "checkpoint.save_interval=100",
+        f"trainer.output_dir={out}",
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in row.items() if not k.startswith("time")} for row in rows]
+
+
+@pytest.mark.slow
+def test_cpu_pins_make_the_run_independent_of_the_cpu_capability(tmp_path: Path) -> None:
+    """Two machines, one with AVX-512 and one without, are played by forcing torch's CPU
+    capability (any x86-64 machine can force a lower one). Unpinned, the capability changes
+    the numbers (the check is sensitive: AVX2 and scalar kernels round differently); under
+    the README run's pins the capability the environment asks for no longer matters, and the
+    pinned run is exactly the AVX2 run. (Forcing the scalar kernels under the pins gives the
+    same bits too: the pins override what the environment asks for.)"""
+    script = _script()
+    if not {"avx2", "fma"} <= script.cpu_flags():
+        pytest.skip("the pinned kernels need an x86-64 CPU with AVX2 and FMA")
+    stored = json.loads(script.SUMMARY.read_text())["stack"]
+    if script.stack()["torch"] != stored["torch"]:
+        pytest.skip(f"the README numbers are the torch {stored['torch']} stack's (CI checks them)")
+    base = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    base = {k: v for k, v in base.items() if k not in script.PORTABLE_CPU_ENV}
+    avx2 = _short_run(tmp_path, "avx2", {**base, "ATEN_CPU_CAPABILITY": "avx2"})
+    scalar = _short_run(tmp_path, "scalar", {**base, "ATEN_CPU_CAPABILITY": "default"})
+    assert avx2 != scalar, "forcing the CPU capability did not change the run: test is blind"
+    # An AVX2-only machine: ATen, MKL and oneDNN all limited to AVX2 by the environment.
+    avx2_machine = {
+        **base,
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+    }
+    pinned_here = _short_run(tmp_path, "pinned_here", script.portable_env(base))
+    pinned_avx2 = _short_run(tmp_path, "pinned_avx2", script.portable_env(avx2_machine))
+    assert pinned_here == pinned_avx2
+    assert [row["loss"] for row in pinned_here] == [row["loss"] for row in avx2]
