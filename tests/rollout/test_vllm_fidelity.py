@@ -124,8 +124,8 @@ def test_unknown_weight_name_stops_the_push_naming_the_tensor(fake, state, check
     if checked:  # ours catches it before vLLM sees it, with the closest expected name
         with pytest.raises(WeightStreamError, match=rf"does not have: \['{bad}'\].*closest"):
             engine.update_weights(stream, expected=_expected(state))
-    else:  # vLLM raises KeyError (params_dict[name]); the adapter names the tensor
-        with pytest.raises(ValueError, match=rf"load_weights failed on tensor '{bad}' \(KeyError"):
+    else:  # vLLM raises ValueError ("There is no module ..."); the adapter names the tensor
+        with pytest.raises(ValueError, match=rf"failed on tensor '{bad}' \(ValueError: There is"):
             engine.update_weights(stream)
     assert stream.read == len(items)
     with pytest.raises(RuntimeError, match="call update_weights"):
@@ -150,8 +150,8 @@ def test_wrong_shape_is_named(fake, state, checked) -> None:
             WeightStreamError, match=rf"{name}: got \[63, 32\], expected \[64, 32\]"
         ):
             engine.update_weights(items.items(), expected=_expected(state))
-    else:  # vLLM's weight_loader asserts on the sizes only; the adapter adds the name
-        with pytest.raises(ValueError, match=rf"failed on tensor '{name}' \(AssertionError"):
+    else:  # vLLM's loader fails on the sizes only; the adapter adds the name
+        with pytest.raises(ValueError, match=rf"failed on tensor '{name}' \(RuntimeError"):
             engine.update_weights(items.items())
 
 
