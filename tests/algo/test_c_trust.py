@@ -13,7 +13,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from reco_megatron.algo import (
@@ -170,6 +170,11 @@ LOGP = st.floats(min_value=-12.0, max_value=-1e-6)
     adv=st.lists(st.sampled_from([-2.0, -1.0, -0.3, 0.0, 0.4, 1.0, 2.5]), min_size=3, max_size=3),
     eps_c=st.sampled_from([0.05, 0.2, 0.28, 1.0]),
 )
+@example(  # near-certain tokens, where the probability clamp binds (once failed on CI)
+    lp=[(-1e-6, -0.5), (-0.5, -1e-6), (-1e-6, -1e-6), (-2.0, -1e-6), (-1e-6, -3.0), (-1.0, -1.0)],
+    adv=[1.0, -1.0, 0.4],
+    eps_c=0.28,
+)
 def test_mask_and_bound_properties(lp: list, adv: list, eps_c: float) -> None:
     """Bernoulli, fp64: a token is dropped by the trust region only where c > 1 + eps_c and
     A (1 - 2p) > 0; every token's coefficient |d loss / d log p| / |w A| is <= 1 + eps_c; the
@@ -189,8 +194,15 @@ def test_mask_and_bound_properties(lp: list, adv: list, eps_c: float) -> None:
         metrics.append(m)
     coef = grads[0] / -(w * a).unsqueeze(1)
     c_plain = grads[1] / -(w * a).unsqueeze(1)  # c where PPO keeps the token, else 0
-    p, p_old = logp.exp(), logp_old.exp()
-    c = p * (1 - p) / (p_old * (1 - p_old))
+    p = logp.exp()
+    # The spec clamps p and 1 - p to [prob_eps, 1 - prob_eps]: at log p = -1e-6, 1 - p is
+    # 9.999995e-7 and the clamp makes it 1e-6 (a 5e-7 relative change, far above rtol).
+    eps = cfg.prob_eps
+
+    def variance(lp: torch.Tensor) -> torch.Tensor:
+        return lp.exp().clamp(eps, 1 - eps) * (-torch.expm1(lp)).clamp(eps, 1 - eps)
+
+    c = variance(logp) / variance(logp_old)
     grows = a.unsqueeze(1) * (1 - 2 * p) > 0
     ppo_kept = c_plain != 0
     live = (a != 0).unsqueeze(1).expand(3, 2)
