@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     p.add_argument("--sft-steps", type=int, default=400)
     p.add_argument("--sft-batch", type=int, default=64)
-    p.add_argument("--steps", type=int, default=200, help="rollout batches per RL run")
+    p.add_argument("--steps", type=int, default=100, help="rollout batches per RL run")
     p.add_argument("--eval-every", type=int, default=20)
     p.add_argument("--out", type=Path, default=Path("runs/mechanism_length"), help="SFT cache")
     p.add_argument("--units", type=Path, default=ROOT / "docs/results/mechanism_length")
@@ -81,18 +81,18 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     run = RunSpec(steps=args.steps, eval_every=args.eval_every)
     seeds = list(range(1, args.seeds + 1))
-    stopped = False
-    for length in args.lengths:
-        spec = TaskSpec(length=length, tree=True)
-        for seed in seeds:
+    # seed-major: every length gains seeds at the same pace, so an interrupted run reports
+    # all lengths on the same (fewer) seeds
+    for seed in seeds:
+        if args.stop_after is not None and time.perf_counter() - t_start > 60 * args.stop_after:
+            break
+        for length in args.lengths:
+            spec = TaskSpec(length=length, tree=True)
             todo = [
                 m for m in args.methods if not (args.units / f"L{length}/{m}-s{seed}.json").exists()
             ]
             if not todo:
                 continue
-            if args.stop_after is not None and time.perf_counter() - t_start > 60 * args.stop_after:
-                stopped = True
-                break
             t0 = time.perf_counter()
             start = start_state(args.out.resolve(), spec, seed, args.sft_steps, args.sft_batch)
             t_sft = time.perf_counter() - t0
@@ -105,8 +105,6 @@ def main(argv: list[str] | None = None) -> int:
                 _write_json(args.units / f"L{length}/{method}-s{seed}.json", result)
                 print(f"L={length} {method} seed {seed}: {result['rl_s']:.1f} s", flush=True)
                 t_sft = 0.0
-        if stopped:
-            break
     info = {
         "spec": dataclasses.asdict(TaskSpec(tree=True)),
         "run": dataclasses.asdict(run),
