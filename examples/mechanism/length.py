@@ -12,7 +12,8 @@ openings), one SFT start of the segment policy
 budget, clip and sampler seeds. Each finished (L, method, seed) unit is a small JSON file under
 ``--units`` (committed to the repository: a unit on disk is never redone, so the same command
 continues an interrupted run in a later session); ``--stop-after`` minutes stops starting new
-units. The report (``--results``) is written from the units on disk at the end of every call.
+units. The report (``--results``) is written from the units on disk at the end of every call
+(``--report-only``: only that).
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results", type=Path, default=ROOT / "docs/results/mechanism_length.md")
     p.add_argument("--stop-after", type=float, default=None, help="minutes; then report")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--report-only", action="store_true", help="only rewrite the report")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
@@ -83,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     seeds = list(range(1, args.seeds + 1))
     # seed-major: every length gains seeds at the same pace, so an interrupted run reports
     # all lengths on the same (fewer) seeds
-    for seed in seeds:
+    for seed in [] if args.report_only else seeds:
         if args.stop_after is not None and time.perf_counter() - t_start > 60 * args.stop_after:
             break
         for length in args.lengths:
@@ -113,7 +115,10 @@ def main(argv: list[str] | None = None) -> int:
         "lengths": args.lengths,
         "seeds": seeds,
         "methods": args.methods,
-        "command": " ".join(sys.argv[1:]) if argv is None else " ".join(argv),
+        # the command that makes the units (and continues them); --report-only is left out
+        "command": " ".join(
+            a for a in (sys.argv[1:] if argv is None else argv) if a != "--report-only"
+        ),
     }
     write_length_report(args.results, args.units, info)
     return 0

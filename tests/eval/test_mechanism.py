@@ -136,4 +136,6 @@ def test_length_pipeline_smoke_and_resume(mech, tmp_path) -> None:
     assert "| reco_prefix |" in report and "## L = 16" in report
     stamps = {p: p.stat().st_mtime_ns for p in (tmp_path / "units").rglob("*.json")}
     assert length.main(args) == 0
+    assert length.main([*args, "--report-only"]) == 0
     assert {p: p.stat().st_mtime_ns for p in (tmp_path / "units").rglob("*.json")} == stamps
+    assert "--report-only" not in (tmp_path / "length.md").read_text()
