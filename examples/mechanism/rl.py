@@ -17,9 +17,9 @@ import torch
 from reco_megatron.algo import LossConfig, group_advantages, policy_loss, response_weights
 
 try:  # run as a script (examples/mechanism on sys.path) or imported as a package module
-    from task import Policy, Task, TaskSpec, token_pool, valid_stats
+    from task import Task, TaskSpec, make_policy, token_pool, valid_stats
 except ImportError:  # pragma: no cover
-    from examples.mechanism.task import Policy, Task, TaskSpec, token_pool, valid_stats
+    from examples.mechanism.task import Task, TaskSpec, make_policy, token_pool, valid_stats
 
 # Every method has the same clip (DAPO's clip-higher, as examples/tiny_cpu.yaml) and no KL;
 # they differ only in the response weight and the token ratio.
@@ -39,7 +39,14 @@ METHODS: dict[str, dict[str, str]] = {
 """Method name -> LossConfig fields. ``weight_*``: the response weight alone (importance ratio,
 i.e. GRPO's gradient times w); ``token_only``: the Bernoulli token ratio alone."""
 
-WEIGHT_VARIANTS = ("sequence", "geometric", "empirical")
+VARIANT_METHODS: dict[str, dict[str, str]] = {
+    f"reco_{mode}": dict(objective="reco", response_weight=mode, token_ratio="bernoulli")
+    for mode in ("prefix", "prefix_empirical", "geometric", "empirical")
+}
+"""ReCo (Bernoulli ratio) with another response weight: the methods of the length study
+(``length.py``), which differ from ``reco`` (sequence weight) only in the weight."""
+
+WEIGHT_VARIANTS = ("sequence", "geometric", "empirical", "prefix", "prefix_empirical")
 
 
 @dataclass(kw_only=True)
@@ -65,7 +72,8 @@ class RunSpec:
 def weight_activity(
     logp_old: torch.Tensor, responses: torch.Tensor, group_size: int, cfg: LossConfig
 ) -> dict[str, float]:
-    """Share of responses with w < 1 under each response-weight variant (on the same batch)."""
+    """Share of responses (``w_lt1_<mode>``: w < 1 on at least one token) and of tokens
+    (``w_lt1_tok_<mode>``) with w < 1 under each response-weight variant, on the same batch."""
     mask = torch.ones_like(logp_old)
     out = {}
     for mode in WEIGHT_VARIANTS:
@@ -78,7 +86,10 @@ def weight_activity(
             w_min=cfg.geometric_w_min,
             w_max=cfg.geometric_w_max,
         )
-        out[f"w_lt1_{mode}"] = float((w < 1.0 - 1e-6).float().mean())
+        active = w < 1.0 - 1e-6  # [N] or [N, L]
+        per_tok = active if active.dim() == 2 else active.unsqueeze(1).expand_as(mask)
+        out[f"w_lt1_{mode}"] = float(per_tok.any(dim=1).float().mean())
+        out[f"w_lt1_tok_{mode}"] = float(per_tok.float().mean())
     return out
 
 
@@ -91,9 +102,9 @@ def run_one(
     """
     task = Task(spec, seed)
     torch.manual_seed(seed)
-    policy = Policy(spec)
+    policy = make_policy(spec)
     policy.load_state_dict(start)
-    cfg = LossConfig(**COMMON, **METHODS[method])
+    cfg = LossConfig(**COMMON, **{**METHODS, **VARIANT_METHODS}[method])
     opt = torch.optim.Adam(policy.parameters(), lr=run.lr)
     g_prompts = torch.Generator().manual_seed(10_000 + seed)
     g_sample = torch.Generator().manual_seed(20_000 + seed)

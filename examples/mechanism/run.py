@@ -30,7 +30,7 @@ sys.path[:0] = [str(HERE), str(ROOT)]
 from report import write_report  # noqa: E402
 from rl import METHODS, RunSpec, run_one  # noqa: E402
 from sweep import activity  # noqa: E402
-from task import Policy, Task, TaskSpec, sft, token_pool, valid_stats  # noqa: E402
+from task import Task, TaskSpec, make_policy, sft, token_pool, valid_stats  # noqa: E402
 
 SWEEP_LENGTHS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
 
@@ -48,7 +48,7 @@ def start_state(out: Path, spec: TaskSpec, seed: int, sft_steps: int) -> dict:
         return torch.load(path)
     task = Task(spec, seed)
     torch.manual_seed(seed)
-    policy = Policy(spec)
+    policy = make_policy(spec)
     nll = sft(policy, task, sft_steps, seed)
     saved = {
         "state": policy.state_dict(),

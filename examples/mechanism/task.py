@@ -18,6 +18,7 @@ not sampled (``valid_stats``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -48,16 +49,43 @@ class TaskSpec:
     """SFT mix: the j-th preferred valid answer has weight ``skew**j`` (< 1: skewed)."""
     noise: float = 0.5
     """SFT mix: share of uniformly random sequences (mostly invalid)."""
+    tree: bool = False
+    """Long answers whose valid set is a tree (the length study, ``length.py``): a response
+    of L tokens is ``decisions`` choices, one at the start of each segment of about
+    L / decisions tokens, and free filler tokens after each choice (the reward reads only the
+    choices, as a grader reads the answer, not the wording). The valid choice strings of a
+    prompt share openings: string j > 0 copies the first d choices of an earlier one (parent
+    and d uniform), takes a different choice at d and random ones after it. The policy is
+    :class:`SegmentPolicy`. False: independent random strings of L tokens, :class:`Policy`
+    (the L = 4 experiment of ``docs/results/mechanism.md``)."""
+    decisions: int = 4
+    """Number of choices (segments) of a ``tree`` answer (<= L)."""
+    typo: float = 0.1
+    """``tree`` SFT mix: each filler token repeats its segment's choice, except with this
+    probability a uniformly random token (free variation of the wording, in [0, 1))."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.k_min <= self.k_max:
             raise ValueError(f"need 1 <= k_min <= k_max, got {self.k_min}, {self.k_max}")
-        if self.k_max > self.vocab**self.length:
+        if not 0.0 <= self.typo < 1.0:
+            raise ValueError(f"typo must be in [0, 1), got {self.typo}")
+        if self.tree and not 1 <= self.decisions <= self.length:
+            raise ValueError(f"need 1 <= decisions <= length, got {self.decisions}, {self.length}")
+        if self.k_max > self.vocab ** (self.decisions if self.tree else self.length):
             raise ValueError(
                 f"k_max={self.k_max} exceeds the {self.vocab}**{self.length} possible answers"
             )
         if not (0.0 < self.skew <= 1.0 and 0.0 <= self.noise < 1.0):
             raise ValueError(f"need skew in (0, 1] and noise in [0, 1), got {self}")
+
+
+def _branch(found: list[list[int]], fresh: list[int], vocab: int, g: torch.Generator) -> list[int]:
+    """``fresh`` grafted onto an earlier answer: its first d tokens (parent and d uniform),
+    then a token other than the parent's at d, then ``fresh``'s tokens."""
+    parent = found[int(torch.randint(len(found), (1,), generator=g))]
+    d = int(torch.randint(len(parent), (1,), generator=g))
+    other = (parent[d] + 1 + int(torch.randint(vocab - 1, (1,), generator=g))) % vocab
+    return [*parent[:d], other, *fresh[d + 1 :]]
 
 
 class Task:
@@ -68,13 +96,19 @@ class Task:
         self.spec = spec
         g = torch.Generator().manual_seed(seed)
         p, kmax, length = spec.prompts, spec.k_max, spec.length
+        if spec.tree:  # the valid set is over the choices; the fillers are free
+            self.starts, self.segment_of = segments(length, spec.decisions)
+            length = spec.decisions
         self.k = torch.randint(spec.k_min, spec.k_max + 1, (p,), generator=g)
         self.answers = torch.zeros(p, kmax, length, dtype=torch.long)
         self.valid = torch.zeros(p, kmax, dtype=torch.bool)
         for q in range(p):
             found: list[list[int]] = []  # in drawing order: the preference order is random
+            n_tok = spec.decisions if spec.tree else length
             while len(found) < int(self.k[q]):
-                ans = torch.randint(spec.vocab, (length,), generator=g).tolist()
+                ans = torch.randint(spec.vocab, (n_tok,), generator=g).tolist()
+                if spec.tree and found:
+                    ans = _branch(found, ans, spec.vocab, g)
                 if ans not in found:
                     found.append(ans)
             self.answers[q, : len(found)] = torch.tensor(found)
@@ -89,6 +123,8 @@ class Task:
 
     def reward(self, prompts: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
         """``[N]`` 1.0 where ``responses [N, L]`` is a valid answer of ``prompts [N]``."""
+        if self.spec.tree:
+            responses = responses[:, self.starts]
         codes = (responses * self._base).sum(-1).tolist()
         return torch.tensor(
             [float(c in self._valid_codes[q]) for q, c in zip(prompts.tolist(), codes, strict=True)]
@@ -101,8 +137,23 @@ class Task:
         j = torch.multinomial(self.pref[prompts], 1, generator=g).squeeze(1)
         targets = self.answers[prompts, j].clone()
         noisy = torch.rand(n, generator=g) < spec.noise
-        rand = torch.randint(spec.vocab, (n, spec.length), generator=g)
-        return prompts, torch.where(noisy.unsqueeze(1), rand, targets)
+        rand = torch.randint(spec.vocab, targets.shape, generator=g)
+        targets = torch.where(noisy.unsqueeze(1), rand, targets)
+        if not spec.tree:
+            return prompts, targets
+        held = targets[:, self.segment_of]  # [n, L]: each choice held for its segment
+        typo = torch.rand(held.shape, generator=g) < spec.typo
+        typo[:, self.starts] = False
+        rand = torch.randint(spec.vocab, held.shape, generator=g)
+        return prompts, torch.where(typo, rand, held)
+
+
+def segments(length: int, decisions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(starts [decisions], segment_of [L])``: the first position of each of ``decisions``
+    near-equal segments of ``length`` positions, and each position's segment."""
+    sizes = torch.tensor([len(c) for c in torch.arange(length).chunk(decisions)])
+    starts = torch.cumsum(sizes, 0) - sizes
+    return starts, torch.arange(decisions).repeat_interleave(sizes)
 
 
 class Policy(nn.Module):
@@ -147,6 +198,57 @@ class Policy(nn.Module):
         return out, logp, probs
 
 
+class SegmentPolicy(nn.Module):
+    """The ``tree`` task's policy: the choices come from a :class:`Policy` over the
+    ``decisions`` choice positions (so the probability of a choice string is exact, whatever
+    the fillers), each filler token from ``softmax(F[choice of its segment] + b[t])``."""
+
+    def __init__(self, spec: TaskSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.choice = Policy(dataclasses.replace(spec, length=spec.decisions, tree=False))
+        starts, segment_of = segments(spec.length, spec.decisions)
+        self.register_buffer("starts", starts, persistent=False)
+        self.register_buffer("segment_of", segment_of, persistent=False)
+        self.f_choice = nn.Parameter(torch.zeros(spec.vocab, spec.vocab))
+        self.f_pos = nn.Parameter(torch.zeros(spec.length, spec.vocab))
+
+    def _filler_logp(self, choices: torch.Tensor) -> torch.Tensor:
+        """``[N, L, V]`` filler log-probs given the choices ``[N, decisions]``."""
+        return torch.log_softmax(self.f_choice[choices[:, self.segment_of]] + self.f_pos, -1)
+
+    def answer_logp(self, prompts: torch.Tensor, choices: torch.Tensor) -> torch.Tensor:
+        """``log pi(c_k | q, c_<k)`` ``[N, decisions]`` of choice strings."""
+        return self.choice.token_logp(prompts, choices)
+
+    def token_logp(self, prompts: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
+        """``log pi(o_t | q, o_<t)`` ``[N, L]`` (choices and fillers)."""
+        choices = responses[:, self.starts]
+        filler = self._filler_logp(choices).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+        out = filler.clone()
+        out[:, self.starts] = self.answer_logp(prompts, choices)
+        return out
+
+    @torch.no_grad()
+    def sample(
+        self, prompts: torch.Tensor, g: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Sample ``(responses [N, L], logp [N, L], next-token probs [N, L, V])`` at T = 1."""
+        choices, _, choice_probs = self.choice.sample(prompts, g)
+        probs = self._filler_logp(choices).exp()
+        n, length, v = probs.shape
+        out = torch.multinomial(probs.reshape(-1, v), 1, generator=g).view(n, length)
+        out[:, self.starts] = choices
+        probs[:, self.starts] = choice_probs
+        logp = torch.log(probs.gather(-1, out.unsqueeze(-1)).squeeze(-1))
+        return out, logp, probs
+
+
+def make_policy(spec: TaskSpec) -> nn.Module:
+    """:class:`SegmentPolicy` for the ``tree`` task, else :class:`Policy`."""
+    return SegmentPolicy(spec) if spec.tree else Policy(spec)
+
+
 @torch.no_grad()
 def valid_stats(policy: Policy, task: Task, n_samples: int) -> dict[str, float]:
     """Exact statistics of the policy's distribution over each prompt's valid answers, averaged
@@ -161,7 +263,9 @@ def valid_stats(policy: Policy, task: Task, n_samples: int) -> dict[str, float]:
     """
     p, kmax, length = task.answers.shape
     prompts = torch.arange(p).repeat_interleave(kmax)
-    lp = policy.token_logp(prompts, task.answers.reshape(p * kmax, length)).sum(-1)
+    answers = task.answers.reshape(p * kmax, length)
+    score = policy.answer_logp if isinstance(policy, SegmentPolicy) else policy.token_logp
+    lp = score(prompts, answers).sum(-1)
     lp = lp.view(p, kmax).double().masked_fill(~task.valid, -math.inf)
     prob = lp.exp()
     mass = prob.sum(1)
@@ -186,13 +290,15 @@ def token_pool(policy: Policy, group_size: int, seed: int) -> torch.Tensor:
     return probs.reshape(-1, policy.spec.vocab)
 
 
-def sft(policy: Policy, task: Task, steps: int, seed: int, lr: float = SFT_LR) -> float:
+def sft(
+    policy: nn.Module, task: Task, steps: int, seed: int, lr: float = SFT_LR, batch: int = SFT_BATCH
+) -> float:
     """Cross-entropy on the skewed mix; returns the last batch's mean token NLL."""
     g = torch.Generator().manual_seed(seed + 7919)
     opt = torch.optim.Adam(policy.parameters(), lr=lr)
     nll = torch.zeros(())
     for _ in range(steps):
-        prompts, targets = task.sft_batch(SFT_BATCH, g)
+        prompts, targets = task.sft_batch(batch, g)
         nll = -policy.token_logp(prompts, targets).mean()
         opt.zero_grad()
         nll.backward()

@@ -5,7 +5,13 @@ tensor function testable in one CPU process. Formulas and conventions: ``docs/lo
 """
 
 from reco_megatron.algo.advantages import group_advantages
-from reco_megatron.algo.config import PRESETS, LossConfig
+from reco_megatron.algo.config import (
+    PER_TOKEN_WEIGHT_MODES,
+    PRESETS,
+    TOKEN_ID_WEIGHT_MODES,
+    WEIGHT_MODES,
+    LossConfig,
+)
 from reco_megatron.algo.metrics import merge_metrics, reduction_of
 from reco_megatron.algo.passk import diversity_metrics, pass_at_k
 from reco_megatron.algo.policy_loss import aggregate, c_growth, policy_loss
@@ -14,7 +20,10 @@ from reco_megatron.algo.token_stats import TokenStats, token_stats_reference
 from reco_megatron.algo.weights import response_weights
 
 __all__ = [
+    "PER_TOKEN_WEIGHT_MODES",
     "PRESETS",
+    "TOKEN_ID_WEIGHT_MODES",
+    "WEIGHT_MODES",
     "LossConfig",
     "TokenRatio",
     "TokenStats",

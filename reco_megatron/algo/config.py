@@ -14,14 +14,25 @@ from typing import Any, ClassVar, Literal
 
 Objective = Literal["ppo_clip", "reco", "cispo"]
 AdvantageMode = Literal["grpo", "dr_grpo", "rloo"]
-WeightMode = Literal["sequence", "geometric", "empirical", "none"]
+WeightMode = Literal["sequence", "geometric", "empirical", "prefix", "prefix_empirical", "none"]
 RatioMode = Literal["importance", "bernoulli", "categorical"]
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 KLEstimator = Literal["k1", "k3"]
 
 OBJECTIVES: tuple[str, ...] = ("ppo_clip", "reco", "cispo")
 ADVANTAGE_MODES: tuple[str, ...] = ("grpo", "dr_grpo", "rloo")
-WEIGHT_MODES: tuple[str, ...] = ("sequence", "geometric", "empirical", "none")
+WEIGHT_MODES: tuple[str, ...] = (
+    "sequence",
+    "geometric",
+    "empirical",
+    "prefix",
+    "prefix_empirical",
+    "none",
+)
+PER_TOKEN_WEIGHT_MODES: tuple[str, ...] = ("prefix", "prefix_empirical")
+"""Response weight modes that give one weight per token (``[B*G, T]``), not per response."""
+TOKEN_ID_WEIGHT_MODES: tuple[str, ...] = ("empirical", "prefix_empirical")
+"""Response weight modes that count token-identical responses / prefixes (need token ids)."""
 RATIO_MODES: tuple[str, ...] = ("importance", "bernoulli", "categorical")
 AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 KL_ESTIMATORS: tuple[str, ...] = ("k1", "k3")
@@ -71,8 +82,10 @@ class LossConfig:
 
     response_weight: WeightMode = "sequence"
     """ReCo response weight (:func:`response_weights`): ``sequence`` (1/max(1, G pi_old)),
-    ``geometric``, ``empirical`` (1/duplicate count) or ``none``. Any mode other than ``none``
-    requires ``weights=`` in :func:`policy_loss`, computed on complete groups."""
+    ``geometric``, ``empirical`` (1/duplicate count), the per-token ``prefix``
+    (1/max(1, G pi_old(o_<=t)) on token t) and ``prefix_empirical`` (1/number of group
+    members sharing the prefix o_<=t), or ``none``. Any mode other than ``none`` requires
+    ``weights=`` in :func:`policy_loss`, computed on complete groups."""
 
     token_ratio: RatioMode = "bernoulli"
     """Detached per-token coefficient of the ``reco`` objective: ``importance`` (r = p/p_old,

@@ -77,23 +77,46 @@ def quantile_metrics(
     return out
 
 
-def weight_metrics(weights: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Mean, min, max, effective sample size and active share of response weights ``w [B]``.
+def weight_metrics(
+    weights: torch.Tensor, mask: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
+    """Mean, min, max, effective sample size and active shares of the response weights.
 
-    ESS = (sum w)^2 / (sum w^2) / n, in (0, 1]; 1 means uniform weights. ``weight_active``:
-    the share of responses with ``w < 1``, i.e. where ReCo's response weight acts at all
-    (``docs/loss.md``: at long lengths it is usually 0).
+    ``weights``: ``[B]`` per response or ``[B, T]`` per token (the prefix modes; then ``mask``
+    ``[B, T]`` is required and mean/min/max/ESS are over response tokens). ESS =
+    (sum w)^2 / (sum w^2) / n, in (0, 1]; 1 means uniform weights. ``weight_active``: the share
+    of responses with ``w < 1`` (per token: on at least one of their tokens), i.e. where
+    ReCo's response weight acts at all (``docs/loss.md``: for ``sequence`` at long lengths it
+    is usually 0); ``weight_active_tokens``: the share of response tokens with ``w < 1`` (a
+    per-response weight counts on every token of its response; needs ``mask``).
     """
     w = weights.detach().double()
-    n = max(w.numel(), 1)
-    sq = (w * w).sum()
-    ess = (w.sum() ** 2 / sq / n) if sq > 0 else torch.zeros((), dtype=torch.float64)
-    empty = w.numel() == 0
     zero = torch.zeros((), dtype=torch.float64)
-    return {
-        "weight_mean/mean": (zero if empty else w.mean()).float(),
-        "weight_min/min": (zero if empty else w.min()).float(),
-        "weight_max/max": (zero if empty else w.max()).float(),
-        "weight_ess/mean": ess.float(),
-        "weight_active/mean": (zero if empty else (w < 1.0).double().mean()).float(),
-    }
+    out: dict[str, torch.Tensor] = {}
+    if w.dim() == 2:
+        if mask is None or mask.shape != w.shape:
+            raise ValueError(f"per-token weights {tuple(w.shape)} need a mask of the same shape")
+        maskb = mask.bool()
+        flat = w[maskb]
+        active_rows = ((w < 1.0) & maskb).any(dim=-1).double()
+        out["weight_active/mean"] = (active_rows.mean() if w.shape[0] else zero).float()
+    else:
+        flat = w
+        out["weight_active/mean"] = (zero if not w.numel() else (w < 1.0).double().mean()).float()
+    if mask is not None:
+        maskb = mask.bool()
+        per_tok = w if w.dim() == 2 else w.unsqueeze(1).expand(maskb.shape)
+        out["weight_active_tokens/mean"] = masked_mean((per_tok < 1.0).double(), maskb)
+    n = max(flat.numel(), 1)
+    sq = (flat * flat).sum()
+    ess = (flat.sum() ** 2 / sq / n) if sq > 0 else zero
+    empty = flat.numel() == 0
+    out.update(
+        {
+            "weight_mean/mean": (zero if empty else flat.mean()).float(),
+            "weight_min/min": (zero if empty else flat.min()).float(),
+            "weight_max/max": (zero if empty else flat.max()).float(),
+            "weight_ess/mean": ess.float(),
+        }
+    )
+    return out

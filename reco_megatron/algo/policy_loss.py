@@ -95,9 +95,15 @@ def _check_inputs(
     for name, t in (("logp_old", logp_old), ("mask", mask), ("ref_logp", ref_logp)):
         if t is not None and t.shape != logp.shape:
             raise ValueError(f"{name} must match logp {tuple(logp.shape)}, got {tuple(t.shape)}")
-    for name, t in (("advantages", advantages), ("weights", weights)):
-        if t is not None and t.shape != logp.shape[:1]:
-            raise ValueError(f"{name} must be [B] = [{logp.shape[0]}], got {tuple(t.shape)}")
+    if advantages.shape != logp.shape[:1]:
+        raise ValueError(
+            f"advantages must be [B] = [{logp.shape[0]}], got {tuple(advantages.shape)}"
+        )
+    if weights is not None and weights.shape not in (logp.shape[:1], logp.shape):
+        raise ValueError(
+            f"weights must be [B] = [{logp.shape[0]}] (per response) or [B, T] = "
+            f"{list(logp.shape)} (per token, the prefix modes), got {tuple(weights.shape)}"
+        )
 
 
 def policy_loss(
@@ -123,8 +129,9 @@ def policy_loss(
         advantages: ``[B]`` per-response advantages (:func:`group_advantages`).
         mask: ``[B, T]`` 1 on response tokens.
         cfg: the loss configuration.
-        weights: ``[B]`` response weights (:func:`response_weights`, computed on complete
-            groups before the split); required unless ``cfg.response_weight == "none"``.
+        weights: ``[B]`` response weights or ``[B, T]`` per-token ones (the ``prefix``
+            modes) (:func:`response_weights`, computed on complete groups before the split);
+            required unless ``cfg.response_weight == "none"``; finite everywhere.
             They multiply the policy term of every objective (not the KL/entropy terms).
         stats, stats_old: :class:`TokenStats` ``[B, T]`` of the current / old policy; ``stats``
             for the entropy bonus and metric, both for ``token_ratio="categorical"``.
@@ -233,7 +240,8 @@ def policy_loss(
         coef = r.clamp(min=lo, max=1.0 + cfg.cispo_eps_high)
         per_token = torch.where(clip_dual, zeros, -(coef * adv) * lp)
     if weights is not None:
-        per_token = per_token * weights.detach().to(logp.dtype).unsqueeze(1)
+        w = weights.detach().to(logp.dtype)
+        per_token = per_token * (w.unsqueeze(1) if w.dim() == 1 else w)
     tis: torch.Tensor | None = None
     if cfg.tis_cap is not None and rollout_logp is not None:
         tis = tis_weights(lp_old, rollout_logp, maskb, cfg.tis_cap).to(logp.dtype)
@@ -311,5 +319,5 @@ def _metrics(
     if kl_ref is not None:
         m["kl_ref/mean"] = masked_mean(kl_ref, maskb)
     if weights is not None:
-        m.update(weight_metrics(weights))
+        m.update(weight_metrics(weights, maskb))
     return m

@@ -2,7 +2,10 @@
 
 A response the old policy emits with probability pi_old(o|q) appears on average
 ``G * pi_old(o|q)`` times in a group of G draws, so its contribution is divided by that
-(when above 1). All modes work on complete groups of consecutive rows and are always finite.
+(when above 1). The ``prefix`` modes apply the same argument to every prefix: token t of
+response i is divided by the (expected or counted) number of group members that share
+``o_{i,<=t}``, so a prefix the whole group shares keeps GRPO's exact cancellation there.
+All modes work on complete groups of consecutive rows and are always finite.
 """
 
 from __future__ import annotations
@@ -12,7 +15,11 @@ import math
 import torch
 
 from reco_megatron.algo.advantages import check_groups
-from reco_megatron.algo.config import WEIGHT_MODES
+from reco_megatron.algo.config import PER_TOKEN_WEIGHT_MODES, TOKEN_ID_WEIGHT_MODES, WEIGHT_MODES
+
+PREFIX_COUNT_CHUNK_ELEMENTS = 1 << 24
+"""Bound on the ``[groups, G, G, T]`` pairwise comparison :func:`prefix_counts` holds at once
+(16 Mi booleans = 16 MiB): groups are processed in chunks of at most this many elements."""
 
 GEOMETRIC_MIN_MEAN_LOGP = -50.0
 """Floor of the per-token mean log-prob in ``geometric`` mode (e^-50 ~ 2e-22 is far below any
@@ -40,12 +47,48 @@ def empirical_counts(
     agree (ids at padded positions are ignored). ``response_ids``, ``mask``: ``[B*G, T]``.
     """
     num_groups = check_groups(response_ids.shape[0], group_size, "responses")
-    maskb = mask.bool()
-    ids = torch.where(maskb, response_ids.long(), torch.full_like(response_ids, -1).long())
+    ids = _token_keys(response_ids, mask)
     group_id = torch.arange(num_groups, device=ids.device).repeat_interleave(group_size)
     keyed = torch.cat([group_id.unsqueeze(1), ids], dim=1)
     _, inverse, counts = torch.unique(keyed, dim=0, return_inverse=True, return_counts=True)
     return counts[inverse]
+
+
+def prefix_log_prob(logp_old: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``log pi_old(o_{i,<=t}|q) = sum_{s<=t} mask * logp_old`` ``[B, T]`` (fp32+).
+
+    Padded positions add 0, so after the response ends the value stays the whole response's
+    log-prob and before it starts it is 0."""
+    return torch.cumsum(_masked_logp(logp_old, mask), dim=-1)
+
+
+def _token_keys(response_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Token ids with padded positions set to -1 (ids there are ignored), int64."""
+    return torch.where(mask.bool(), response_ids.long(), torch.full_like(response_ids, -1).long())
+
+
+def prefix_counts(response_ids: torch.Tensor, mask: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Number of group members whose response shares ``o_{i,<=t}`` token for token, ``[B*G, T]``.
+
+    Response j shares response i's prefix up to t when at every position ``s <= t`` both masks
+    agree and, where they are 1, the token ids agree (responses of one group share the prompt,
+    so their tokens are compared position by position). Counts include i itself (>= 1); on the
+    last response token they equal :func:`empirical_counts` for responses of equal length.
+    ``response_ids``, ``mask``: ``[B*G, T]``. Memory: ``G * G * T`` booleans per group, in
+    chunks of at most :data:`PREFIX_COUNT_CHUNK_ELEMENTS`.
+    """
+    num_groups = check_groups(response_ids.shape[0], group_size, "responses")
+    t = response_ids.shape[1]
+    keys = _token_keys(response_ids, mask).view(num_groups, group_size, t)
+    per_group = max(group_size * group_size * max(t, 1), 1)
+    chunk = max(1, PREFIX_COUNT_CHUNK_ELEMENTS // per_group)
+    out = []
+    for start in range(0, num_groups, chunk):
+        k = keys[start : start + chunk]  # [g, G, T]
+        same = k.unsqueeze(2) == k.unsqueeze(1)  # [g, G, G, T]: i, j, position
+        shared = torch.cummin(same.to(torch.uint8), dim=-1).values  # prefix still identical
+        out.append(shared.sum(dim=2, dtype=torch.long))  # [g, G, T]
+    return torch.cat(out, dim=0).view(-1, t) if out else keys.view(-1, t)
 
 
 def response_weights(
@@ -58,7 +101,8 @@ def response_weights(
     w_min: float = 0.1,
     w_max: float = 10.0,
 ) -> torch.Tensor:
-    """Per-response weights ``w [B*G]`` (fp32, detached, finite, > 0).
+    """Response weights (fp32, detached, finite, > 0): ``w [B*G]`` per response, or
+    ``w [B*G, T]`` per token for the ``prefix`` modes (:data:`PER_TOKEN_WEIGHT_MODES`).
 
     Args:
         logp_old: ``[B*G, T]`` log-probs of the sampled tokens under the old (rollout) policy.
@@ -74,8 +118,15 @@ def response_weights(
               off 1). The mean log-prob is floored at ``GEOMETRIC_MIN_MEAN_LOGP``.
             - ``empirical``: ``1 / (number of token-identical responses in the group)``;
               needs ``response_ids [B*G, T]``.
+            - ``prefix``: per token, ``w_t = 1 / max(1, G * pi_old(o_{<=t}))`` computed as
+              ``exp(-max(0, log G + sum_{s<=t} logp_old))`` (padding adds 0): the expected
+              number of group members sharing the prefix through token t. On the last
+              response token it equals ``sequence``; -inf log-probs give 1 from there on.
+            - ``prefix_empirical``: per token, ``1 / (number of group members whose response
+              equals o_{<=t} token for token)`` (:func:`prefix_counts`); needs
+              ``response_ids``. On the last token it equals ``empirical``.
             - ``none``: ones.
-        response_ids: token ids of the responses (``empirical`` only).
+        response_ids: token ids of the responses (``empirical``, ``prefix_empirical``).
         w_min, w_max: clip of the ``geometric`` weights.
     """
     if mode not in WEIGHT_MODES:
@@ -89,15 +140,21 @@ def response_weights(
     n = logp_old.shape[0]
     if mode == "none":
         return torch.ones(n, dtype=torch.float32, device=logp_old.device)
-    if mode == "empirical":
+    if mode in TOKEN_ID_WEIGHT_MODES:
         if response_ids is None:
-            raise ValueError("response weight mode 'empirical' needs response_ids= [B*G, T]")
+            raise ValueError(f"response weight mode {mode!r} needs response_ids= [B*G, T]")
         if response_ids.shape != mask.shape:
             raise ValueError(
                 f"response_ids must match mask {tuple(mask.shape)}, got {tuple(response_ids.shape)}"
             )
-        return 1.0 / empirical_counts(response_ids, mask, group_size).float()
+        count = (empirical_counts if mode == "empirical" else prefix_counts)(
+            response_ids, mask, group_size
+        )
+        return 1.0 / count.float()
     log_g = math.log(group_size)
+    if mode in PER_TOKEN_WEIGHT_MODES:  # prefix
+        # same clamp as sequence: -inf -> 1, NaN is not hidden
+        return torch.exp(-torch.clamp(log_g + prefix_log_prob(logp_old, mask), min=0.0)).float()
     if mode == "sequence":
         log_seq = sequence_log_prob(logp_old, mask)
         # -inf -> clamp gives 0 -> w = 1; NaN is not a log-prob and is not silently hidden.

@@ -41,7 +41,8 @@ class RolloutBatch:
     ref_logprobs: torch.Tensor | None = None
     """``[B, L-1]`` reference-policy log-probs (KL term), when a reference model is used."""
     weights: torch.Tensor | None = None
-    """``[B]`` ReCo response weights, computed on the complete groups (filled by the engine)."""
+    """``[B]`` ReCo response weights, or ``[B, L-1]`` per token for the prefix modes; computed
+    on the complete groups (filled by the engine)."""
     routed_experts: torch.Tensor | None = None
     """``[B, L-1, layers, top-k]`` int16: the experts the rollout engine routed input position
     ``t`` to in each MoE layer (``-1``: not recorded); for routing replay / its metrics."""

@@ -31,7 +31,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from reco_megatron.algo import LossConfig, response_weights
+from reco_megatron.algo import TOKEN_ID_WEIGHT_MODES, LossConfig, response_weights
 from reco_megatron.megatron.batch import RolloutBatch
 from reco_megatron.megatron.device import collective_device, resolve_device
 from reco_megatron.megatron.distributed import ParallelConfig
@@ -337,12 +337,13 @@ class ReCoEngine:
         mask = batch.loss_mask
         old = stats["logprob"]
         ref = self._statistics(batch, reference=True)["logprob"] if self.ref_model else None
-        weights = response_weights(
+        mode = self.loss_cfg.response_weight
+        weights = response_weights(  # [B] per response, [B, S] per token (prefix modes)
             old,
             mask,
             batch.group_size,
-            self.loss_cfg.response_weight,
-            response_ids=batch.labels if self.loss_cfg.response_weight == "empirical" else None,
+            mode,
+            response_ids=batch.labels if mode in TOKEN_ID_WEIGHT_MODES else None,
             w_min=self.loss_cfg.geometric_w_min,
             w_max=self.loss_cfg.geometric_w_max,
         )

@@ -50,6 +50,7 @@ UPDATE_METRICS: tuple[tuple[str, str, str], ...] = (
     ("weight_mean", "weight_mean", "mean"),
     ("weight_ess", "weight_ess", "mean"),
     ("weight_active", "weight_active", "mean"),
+    ("weight_active_tokens", "weight_active_tokens", "mean"),
     ("grad_norm", "grad_norm", "mean"),
     ("grad_norm", "grad_norm_max", "max"),
     ("kl_old_new", "kl_old_new", "mean"),

@@ -39,6 +39,12 @@ from reco_megatron.algo import PRESETS, LossConfig
             id="ratio-objective",
         ),
         pytest.param(
+            {"response_weight": "prefix-empirical"},
+            r"response_weight must be one of .*'prefix', 'prefix_empirical'.* got "
+            r"'prefix-empirical'",
+            id="weight-mode",
+        ),
+        pytest.param(
             {"geometric_w_min": 2.0}, r"geometric_w_min must be in \(0, 1\], got 2.0", id="w_min"
         ),
     ],
@@ -46,6 +52,15 @@ from reco_megatron.algo import PRESETS, LossConfig
 def test_validation_quotes_value(kw: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         LossConfig(**kw)
+
+
+@pytest.mark.parametrize("mode", ["prefix", "prefix_empirical"])
+def test_per_token_weight_modes_are_valid_with_every_objective(mode: str) -> None:
+    for preset in PRESETS:
+        assert (
+            LossConfig.preset(preset, response_weight=mode, loss_normalizer=4.0).response_weight
+            == mode
+        )
 
 
 def test_kw_only() -> None:

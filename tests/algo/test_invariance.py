@@ -29,12 +29,21 @@ def _data() -> dict[str, torch.Tensor]:
         ent=torch.rand(B, T, generator=g, dtype=F64),
         s2=torch.rand(B, T, generator=g, dtype=F64) * 0.5,
         s2_old=torch.rand(B, T, generator=g, dtype=F64) * 0.5,
+        # shared openings of 1-3 tokens within each group (prefix_empirical < 1 there)
+        ids=torch.where(
+            torch.arange(T) < 1 + torch.arange(B).unsqueeze(1) % 3,
+            torch.arange(T),
+            100 + torch.arange(B).unsqueeze(1),
+        ),
     )
 
 
 def _split_loss_and_grad(cfg: LossConfig, d: dict, num_micro: int):
     # Weights per complete group, before the split (as the trainer must do).
-    w = response_weights(d["logp_old"], d["mask"], G, cfg.response_weight).double()
+    w = response_weights(
+        d["logp_old"], d["mask"], G, cfg.response_weight, response_ids=d["ids"]
+    ).double()
+    assert cfg.response_weight == "none" or (w < 1).any()  # the weights act on this data
     logp = d["logp"].clone().requires_grad_()
     n_tok, n_seq = d["mask"].sum(), B
     total = torch.zeros((), dtype=F64)
@@ -70,6 +79,15 @@ CONFIGS = [
         id="ppo_clip-kl-entropy",
     ),
     pytest.param(dict(objective="cispo", token_ratio="importance"), id="cispo"),
+    # per-token weights [B, T], split with the rows like every per-token tensor
+    pytest.param(dict(objective="reco", response_weight="prefix"), id="reco-prefix"),
+    pytest.param(
+        dict(objective="reco", response_weight="prefix_empirical"), id="reco-prefix_empirical"
+    ),
+    pytest.param(
+        dict(objective="ppo_clip", token_ratio="importance", response_weight="prefix"),
+        id="ppo_clip-prefix",
+    ),
 ]
 
 

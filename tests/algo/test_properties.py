@@ -57,7 +57,9 @@ def batches(draw):
             ("cispo", "importance"),
         ]
     ),
-    weight_mode=st.sampled_from(["sequence", "geometric", "empirical", "none"]),
+    weight_mode=st.sampled_from(
+        ["sequence", "geometric", "empirical", "prefix", "prefix_empirical", "none"]
+    ),
     aggregation=st.sampled_from(["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]),
     clamps=st.sampled_from([(None, None), (3.0, 10.0)]),
 )

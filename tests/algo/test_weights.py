@@ -100,3 +100,97 @@ def test_incomplete_group_error_quotes_values() -> None:
 def test_empirical_needs_ids() -> None:
     with pytest.raises(ValueError, match="response_ids"):
         response_weights(torch.zeros(4, 2), torch.ones(4, 2), 4, "empirical")
+
+
+# ---------------------------------------------------------------- per-token prefix weights
+
+
+def test_prefix_hand_values_and_last_token_equals_sequence() -> None:
+    # One response of G = 4, token probs 0.5, 0.5, 0.5, 0.25 (pad after): the prefix
+    # probabilities are 1/2, 1/4, 1/8, 1/32 -> G * pi = 2, 1, 1/2, 1/8 -> w = 1/2, 1, 1, 1.
+    lp = torch.log(torch.tensor([[0.5, 0.5, 0.5, 0.25, 1.0]] * G, dtype=torch.float64))
+    lp[:, 4] = -math.inf  # padding: ignored
+    mask = torch.tensor([[1, 1, 1, 1, 0]] * G)
+    w = response_weights(lp, mask, G, "prefix")
+    assert w.shape == (G, 5) and w.dtype == torch.float32
+    torch.testing.assert_close(w[:, :4], torch.tensor([[0.5, 1.0, 1.0, 1.0]] * G))
+    # prompt-free 2-token responses with a likely opening: 0.9, then 0.9 * 0.6
+    lp = torch.log(torch.tensor([[0.9, 0.6], [0.9, 0.9]], dtype=torch.float64))
+    w = response_weights(lp, torch.ones_like(lp), 2, "prefix")
+    want = [[1 / 1.8, 1 / (2 * 0.54)], [1 / 1.8, 1 / (2 * 0.81)]]
+    # fp32 output of fp64 math: 1e-6 relative.
+    torch.testing.assert_close(w, torch.tensor(want))
+
+
+def test_prefix_last_token_equals_sequence_on_random_groups() -> None:
+    gen = torch.Generator().manual_seed(0)
+    lp = -torch.rand(12, 7, generator=gen, dtype=torch.float64) * 0.3
+    mask = torch.ones(12, 7, dtype=torch.long)
+    for i in range(12):
+        mask[i, 7 - i % 4 :] = 0  # responses of 7, 6, 5, 4 tokens
+    last = mask.sum(1) - 1
+    for g in (1, 3, 4, 12):
+        per_tok = response_weights(lp, mask, g, "prefix")
+        seq = response_weights(lp, mask, g, "sequence")
+        # identical arithmetic up to summation order of the same fp64 terms: 1e-6 of fp32.
+        torch.testing.assert_close(per_tok[torch.arange(12), last], seq)
+        # and after the response ends the weight stays the sequence weight (finite padding)
+        torch.testing.assert_close(per_tok[:, -1], seq)
+    assert (response_weights(lp, mask, 4, "prefix") < 1).any()  # not vacuous
+
+
+def test_prefix_empirical_counts_shared_prefixes() -> None:
+    # group of 4: rows 0, 1 identical; row 2 shares the first 2 tokens; row 3 only the first
+    ids = torch.tensor([[5, 6, 7], [5, 6, 7], [5, 6, 8], [5, 9, 7]])
+    mask = torch.ones_like(ids)
+    w = response_weights(torch.zeros(4, 3), mask, 4, "prefix_empirical", response_ids=ids)
+    want = [[1 / 4, 1 / 3, 1 / 2], [1 / 4, 1 / 3, 1 / 2], [1 / 4, 1 / 3, 1.0], [1 / 4, 1.0, 1.0]]
+    torch.testing.assert_close(w, torch.tensor(want))
+    emp = response_weights(torch.zeros(4, 3), mask, 4, "empirical", response_ids=ids)
+    torch.testing.assert_close(w[:, -1], emp)  # last token: the empirical weight
+
+
+def test_prefix_empirical_padding_and_groups() -> None:
+    # ids under padding are ignored; a response that ended differs from one that goes on;
+    # two groups never share counts.
+    ids = torch.tensor([[3, 4, 0], [3, 4, 99], [3, 4, 5], [3, 4, 0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0], [1, 1, 1], [1, 1, 0]])
+    w = response_weights(torch.zeros(4, 3), mask, 2, "prefix_empirical", response_ids=ids)
+    torch.testing.assert_close(w[:2], torch.full((2, 3), 0.5))
+    torch.testing.assert_close(w[2:, :2], torch.full((2, 2), 0.5))
+    torch.testing.assert_close(w[2:, 2], torch.ones(2))
+
+
+def test_prefix_empirical_chunking_matches_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    from reco_megatron.algo import weights as weights_mod
+
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 3, (24, 5), generator=gen)  # vocabulary of 3: many shared prefixes
+    mask = torch.ones_like(ids)
+    full = weights_mod.prefix_counts(ids, mask, 4)
+    monkeypatch.setattr(weights_mod, "PREFIX_COUNT_CHUNK_ELEMENTS", 1)  # one group at a time
+    assert torch.equal(weights_mod.prefix_counts(ids, mask, 4), full)
+    assert (full > 1).any() and (full[:, 0] >= full[:, -1]).all()  # counts only fall along t
+
+
+@pytest.mark.parametrize("mode", ["prefix", "prefix_empirical"])
+def test_prefix_edge_cases_finite(mode: str) -> None:
+    lp = torch.tensor(
+        [[-math.inf, -1.0], [0.0, 0.0], [-1e30, -1e30], [-0.1, -0.2]], dtype=torch.float32
+    )
+    mask = torch.tensor([[1, 1], [0, 0], [1, 1], [1, 1]])  # row 1 is an empty response
+    ids = torch.tensor([[1, 2], [0, 0], [1, 2], [3, 3]])
+    for g in (1, 2, 4):
+        w = response_weights(lp, mask, g, mode, response_ids=ids)
+        assert w.shape == (4, 2)
+        assert torch.isfinite(w).all() and (w > 0).all(), (mode, g, w)
+        if g == 1:
+            assert torch.equal(w, torch.ones(4, 2))
+    # -inf from the first token on: pi_old(prefix) = 0 -> weight 1 on every token
+    w = response_weights(lp, mask, 2, "prefix")
+    assert torch.equal(w[0], torch.ones(2))
+
+
+def test_prefix_empirical_needs_ids() -> None:
+    with pytest.raises(ValueError, match="'prefix_empirical' needs response_ids"):
+        response_weights(torch.zeros(4, 2), torch.ones(4, 2), 4, "prefix_empirical")

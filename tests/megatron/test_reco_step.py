@@ -26,10 +26,31 @@ PARAM_ATOL = 2e-5
 LOSS_ATOL = 1e-5
 
 
-def _update_body(rank, world_size, tp, pp, mbs, reference, preset, family="llama", fused=False):
+def _shared_openings(batch):
+    """Row 2 of each group opens like rows 0 and 1 (identical) for its first response tokens,
+    then goes its own way: per-token ``prefix_empirical`` weights of 1/3, 1/2 and 1."""
+    tokens, mask = batch.tokens.clone(), batch.response_mask.clone()
+    g = batch.group_size
+    tokens[2::g, :8] = tokens[0::g, :8]
+    mask[2::g, :8] = mask[0::g, :8]
+    mask[2::g, 3:10] = 1.0  # contiguous response
+    return type(batch)(
+        tokens=tokens,
+        response_mask=mask,
+        advantages=batch.advantages,
+        group_size=g,
+        rollout_logprobs=batch.rollout_logprobs,
+    )
+
+
+def _update_body(
+    rank, world_size, tp, pp, mbs, reference, preset, family="llama", fused=False, weight=None
+):
     # a narrow trust region on c (eps_c 0.05) so that it masks tokens on the second step and
     # every layout must agree on which
     loss = LossConfig.preset(preset, kl_coef=0.0, c_trust_eps=0.05)
+    if weight is not None:
+        loss = LossConfig.preset(preset, kl_coef=0.0, c_trust_eps=0.05, response_weight=weight)
     model = _reco.model_config(family, tie_word_embeddings=family == "qwen2")
     engine = _reco.build_engine(
         tp=tp, pp=pp, micro_batch_size=mbs, loss=loss, model=model, fused_output_layer=fused
@@ -37,7 +58,8 @@ def _update_body(rank, world_size, tp, pp, mbs, reference, preset, family="llama
     if reference is None:
         return _reco.full_params(engine)
     _reco.load_full(engine, reference)
-    batch = _reco.dp_share(_reco.rollout_batch())
+    batch = _reco.rollout_batch()
+    batch = _reco.dp_share(batch if weight is None else _shared_openings(batch))
     prepared, prep_metrics = engine.prepare(batch)
     steps = engine.train_on_rollout(prepared)
     return {
@@ -141,3 +163,42 @@ def test_qwen2_family_tied_embeddings_and_qkv_bias(tp, pp) -> None:
     )
     for res in got:
         _compare(res, want)
+
+
+@pytest.fixture(scope="module")
+def single_prefix(reference_weights) -> dict:
+    res = run_distributed(
+        _update_body,
+        1,
+        args=(1, 1, 2, reference_weights, "reco"),
+        kwargs={"weight": "prefix_empirical"},
+        timeout=120,
+    )[0]
+    # the per-token weights act on this batch (rows 0, 1 and the opening of row 2 of each
+    # group), so that the layouts must agree on [B, S] weights, not on ones
+    for step in res["steps"]:
+        assert 0.0 < step["weight_active_tokens"] < step["weight_active"] < 1.0, step
+    return res
+
+
+@pytest.mark.parametrize(
+    ("tp", "pp", "dp", "mbs"),
+    [(2, 1, 1, 2), (1, 2, 1, 2), (1, 1, 2, 2), (1, 1, 1, 1)],
+    ids=["tp2", "pp2", "dp2", "8x1"],
+)
+def test_per_token_prefix_weights_equal_single_process(
+    tp, pp, dp, mbs, reference_weights, single_prefix
+) -> None:
+    # per-token weights [B, S] computed on complete groups in the old-policy pass, then cut
+    # with the rows into DP shares and micro-batches: every layout trains the same update
+    results = run_distributed(
+        _update_body,
+        tp * pp * dp,
+        args=(tp, pp, mbs, reference_weights, "reco"),
+        kwargs={"weight": "prefix_empirical"},
+        timeout=180,
+    )
+    for res in results:
+        _compare(res, single_prefix)
+        for got, want in zip(res["steps"], single_prefix["steps"], strict=True):
+            assert got["weight_active_tokens"] == pytest.approx(want["weight_active_tokens"])
