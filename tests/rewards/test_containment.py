@@ -79,7 +79,7 @@ _TRAINER = textwrap.dedent(
     import sys, time
     from reco_megatron.rewards.pool import RewardPool, RewardPoolConfig
     pool = RewardPool(RewardPoolConfig(reward=sys.argv[1], num_workers=2, memory_limit_mb=None))
-    print(pool.score(["ok", "ok"], [sys.argv[2]] * 2).scores, flush=True)
+    print(pool.score(["ok", "ok"], [sys.argv[2] + ".a", sys.argv[2] + ".b"]).scores, flush=True)
     time.sleep(3600)
     """
 )
@@ -97,7 +97,7 @@ def test_children_die_with_a_sigkilled_trainer(tmp_path) -> None:
     )
     try:
         assert trainer.stdout.readline().strip() == "[1.0, 1.0]"
-        children = _pids(pids)
+        children = [*_pids(Path(f"{pids}.a")), *_pids(Path(f"{pids}.b"))]
         keepers = [p.pid for p in psutil.Process(trainer.pid).children()]
         assert len(children) == 2 and all(_alive(c) for c in children)
     finally:
