@@ -48,7 +48,8 @@ from reco_megatron.trainer.preflight import preflight
 from reco_megatron.trainer.progress import announce_startup
 from reco_megatron.trainer.rollout_agreement import agree_on_completions
 from reco_megatron.trainer.rollout_batch import build_rollout_batch
-from reco_megatron.trainer.run_lock import RunLock, take_run_directory
+from reco_megatron.trainer.run_dir import take_run_directory
+from reco_megatron.trainer.run_lock import RunLock
 from reco_megatron.trainer.sft_warmup import run_warmup
 from reco_megatron.trainer.step_metrics import global_row, rollout_counters
 from reco_megatron.trainer.stop_signals import EXIT_RESUMABLE, StopSignals, stop_here

@@ -27,12 +27,18 @@ import socket
 import time
 from pathlib import Path
 
-from reco_megatron.trainer.run_lock import LOCK_NAME, RUN_MARKER
+from reco_megatron.trainer.run_lock import LOCK_NAME, RUN_MARKER, RunLock, RunLockError
 from reco_megatron.utils.jsonfile import write_json
 from reco_megatron.utils.logging import get_logger
 from reco_megatron.utils.paths import file_problem
 
-__all__ = ["RUN_MARKER", "foreign_files", "mark_run_directory", "read_run_id"]
+__all__ = [
+    "RUN_MARKER",
+    "foreign_files",
+    "mark_run_directory",
+    "read_run_id",
+    "take_run_directory",
+]
 
 logger = get_logger(__name__)
 
@@ -147,3 +153,55 @@ def mark_run_directory(out: str | Path) -> str:
             RUN_MARKER,
         )
     return run_id
+
+
+def take_run_directory(out_dir: str | Path, rank: int) -> tuple[RunLock | None, str]:
+    """Global rank 0 proves ``out_dir`` is (or becomes) this trainer's run directory
+    (``run_dir``: a new or empty directory, or one marked ``run.json``; never one holding
+    files the trainer did not write) and takes its lock; every rank learns the outcome
+    (collective) and raises the same :class:`RunLockError` (busy) or ``ConfigError`` (not
+    a run directory, not writable). Returns ``(the held lock on rank 0, None elsewhere;
+    the run id)``."""
+    from reco_megatron.config import ConfigError
+    from reco_megatron.megatron.checkpoint.collective import from_rank0
+
+    lock, outcome = None, None
+    if rank == 0:
+        lock, outcome = _take(Path(out_dir))
+    outcome = from_rank0(outcome)
+    kind, message = outcome
+    if kind == "ok":
+        return lock, message
+    raise RunLockError(message) if kind == "busy" else ConfigError([message])
+
+
+def _take(out: Path) -> tuple[RunLock | None, tuple[str, str]]:
+    # A foreign directory is refused before the lock file is created in it; when a lock
+    # file is there already, a live holder is reported first (then the directory checked).
+    had_lock = (out / LOCK_NAME).exists()
+    problem = None if had_lock else foreign_files(out)
+    if problem is not None:
+        return None, ("foreign", problem)
+    try:
+        lock = RunLock(out).acquire()
+    except RunLockError as exc:
+        return None, ("busy", str(exc))
+    except OSError as exc:
+        return None, ("unwritable", _unwritable(out, exc))
+    problem = foreign_files(out) if had_lock else None
+    if problem is not None:
+        lock.release()
+        return None, ("foreign", problem)
+    try:
+        return lock, ("ok", mark_run_directory(out))
+    except (OSError, ValueError) as exc:
+        lock.release(failed_start=True)
+        return None, ("unwritable", _unwritable(out, exc))
+
+
+def _unwritable(out: Path, exc: Exception) -> str:
+    reason = exc.strerror if isinstance(exc, OSError) else str(exc)
+    return (
+        f"trainer.output_dir={str(out)!r} is not writable ({reason}): choose "
+        "another directory with trainer.output_dir=..."
+    )

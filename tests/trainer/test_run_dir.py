@@ -12,7 +12,8 @@ from reco_megatron.megatron.checkpoint.ownership import mark_owner
 from reco_megatron.megatron.checkpoint.resume import remove_partial_checkpoints
 from reco_megatron.train import main
 from reco_megatron.trainer import run_dir
-from reco_megatron.trainer.run_lock import LOCK_NAME, RunLock, take_run_directory
+from reco_megatron.trainer.run_dir import take_run_directory
+from reco_megatron.trainer.run_lock import LOCK_NAME, RunLock
 from tests.tiny_overrides import TINY_RUN
 
 
