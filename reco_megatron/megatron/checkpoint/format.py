@@ -157,8 +157,8 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     if name is None:
         return None
     path = root / name
-    if path.is_symlink():
-        raise LatestPointerError(
+    if path.is_symlink():  # not a pointer problem: no fallback to another checkpoint
+        raise CheckpointError(
             f"{root / 'latest'} names {name!r}, a symlink to {os.readlink(path)!r}: a run "
             "resumes only from checkpoints it wrote in its own directory; copy the checkpoint "
             f"in its place, or start from it with checkpoint.init_megatron={str(path)!r}"
