@@ -178,8 +178,10 @@ def take_run_directory(out_dir: str | Path, rank: int) -> tuple[RunLock | None, 
 def _take(out: Path) -> tuple[RunLock | None, tuple[str, str]]:
     # A foreign directory is refused before the lock file is created in it; when a lock
     # file is there already, a live holder is reported first (then the directory checked).
-    had_lock = (out / LOCK_NAME).exists()
+    had_lock = os.path.lexists(out / LOCK_NAME)
     problem = None if had_lock else foreign_files(out)
+    if had_lock and not _lock_only(out / LOCK_NAME):  # not a lock file: never write to it
+        problem = foreign_files(out) or f"{out / LOCK_NAME} is not a lock file of the trainer"
     if problem is not None:
         return None, ("foreign", problem)
     try:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from reco_megatron.config import ConfigError
 from reco_megatron.megatron.checkpoint.ownership import mark_owner
 from reco_megatron.megatron.checkpoint.resume import remove_partial_checkpoints
 from reco_megatron.train import main
@@ -142,3 +143,12 @@ def test_a_symlinked_look_alike_is_left_and_its_target_kept(tmp_path, kind) -> N
     (root / ".tmp-step_00000007").symlink_to(target)
     assert remove_partial_checkpoints(root, run_id="abc") == []
     assert target.exists() and (root / ".tmp-step_00000007").is_symlink()
+
+
+def test_a_lock_file_that_is_not_ours_is_never_written(tmp_path) -> None:
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / LOCK_NAME).write_text("someone's notes")
+    with pytest.raises(ConfigError, match="not a reco-megatron run directory"):
+        take_run_directory(out, 0)
+    assert (out / LOCK_NAME).read_text() == "someone's notes"
