@@ -230,12 +230,11 @@ def export_checkpoint(
     output folder and the tokenizer are checked before the model is built.
     """
     from reco_megatron.megatron.checkpoint import read_meta
+    from reco_megatron.megatron.hf.target import check_target
 
+    check_target(out_dir, overwrite=overwrite)  # before anything is read or loaded
     path = resolve_checkpoint(checkpoint)
     meta = read_meta(path)
-    target = Path(out_dir)
-    if target.exists() and any(target.iterdir()) and not overwrite:
-        raise FileExistsError(f"{target} exists and is not empty: pass overwrite=True")
     with tempfile.TemporaryDirectory(prefix="reco-export-") as work:
         tok = _tokenizer_for(tokenizer_dir, run_config_of(path), Path(work))
         out = _write_hf(path, meta, out_dir, tok, max_shard_size, overwrite)
@@ -273,6 +272,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except (CheckpointError, FileNotFoundError, ValueError) as exc:
         logger.error("%s", exc)
+        return 2
+    except OSError as exc:  # the disk filled, the place went read-only while writing
+        logger.error("cannot write the export %s: %s", args.out_dir, exc)
         return 2
     return 0
 

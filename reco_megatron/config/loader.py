@@ -6,8 +6,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-import yaml
-
+from reco_megatron.config.bounded_yaml import MAX_BYTES, MAX_BYTES_ENV, limit, load_bounded
 from reco_megatron.config.build import FAIL, build_dataclass
 from reco_megatron.config.dump import config_to_dict
 from reco_megatron.config.errors import ConfigError, Problems, describe_value
@@ -33,16 +32,34 @@ def _copy_tree(value: Any, active: set[int]) -> Any:
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
-    """The top-level mapping of a YAML file (``yaml.safe_load``); ConfigError if not one."""
+    """The top-level mapping of a YAML file, parsed in bounded memory
+    (:mod:`~reco_megatron.config.bounded_yaml`: size and node caps, no repeated keys);
+    ConfigError if it is not one."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError([f"config file not found: {str(path)!r}"])
+    cap = limit(MAX_BYTES_ENV, MAX_BYTES)
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
+        with path.open("rb") as f:
+            raw = f.read(cap + 1)
+    except OSError as exc:
+        raise ConfigError([f"cannot read config file: {exc}"], str(path)) from exc
+    if len(raw) > cap:
+        raise ConfigError(
+            [
+                f"the config file is larger than {cap} bytes: a config is a few KB; raise the "
+                f"limit with the environment variable {MAX_BYTES_ENV}=N if it is meant to be"
+            ],
+            str(path),
+        )
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
         raise ConfigError([f"cannot read config file: {exc}"], str(path)) from exc
     try:
-        data = yaml.safe_load(text)
+        data = load_bounded(text)
+    except ConfigError as exc:
+        raise ConfigError(exc.problems, str(path)) from None
     except Exception as exc:  # yaml errors, ValueError (bad dates), RecursionError
         reason = " ".join(str(exc).split())
         raise ConfigError([f"invalid YAML: {reason}"], str(path)) from exc

@@ -16,8 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import yaml
-
+from reco_megatron.config.bounded_yaml import load_bounded
 from reco_megatron.config.dump import config_to_dict, to_plain
 from reco_megatron.config.errors import ConfigError, ConfigPath, Problems, unknown_key_message
 from reco_megatron.config.schema import (
@@ -51,9 +50,12 @@ class Override:
 
 
 def parse_value(text: str) -> Any:
-    """``text`` parsed as a YAML value (safe_load); raises ConfigError if it is not YAML."""
+    """``text`` parsed as a YAML value (safe_load, bounded: ``bounded_yaml``); raises
+    ConfigError if it is not YAML, repeats a key or expands past the node cap."""
     try:
-        return yaml.safe_load(text)
+        return load_bounded(text)
+    except ConfigError as exc:
+        raise ConfigError([f"override value {text[:80]!r}: {p}" for p in exc.problems]) from None
     except Exception as exc:  # yaml errors, and ValueError from e.g. the date 2024-13-01
         reason = " ".join(str(exc).split())
         raise ConfigError(

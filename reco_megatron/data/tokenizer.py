@@ -10,6 +10,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from reco_megatron.utils.paths import file_problem
+
 Message = dict[str, str]
 
 
@@ -92,12 +94,22 @@ class SentencePieceTokenizer:
         import sentencepiece as spm
 
         path = Path(model_file)
-        if not path.is_file():
+        kind = file_problem(path)
+        if kind == "does not exist":
             raise FileNotFoundError(
                 f"SentencePiece model {str(path)!r} not found; train one with "
                 "examples/tiny/train_tokenizer.py or pass the right path"
             )
-        self.sp = spm.SentencePieceProcessor(model_file=str(path))
+        if kind is not None:
+            raise ValueError(f"SentencePiece model {str(path)!r} {kind}")
+        try:  # sentencepiece raises RuntimeError (garbage) or OSError; never a traceback
+            self.sp = spm.SentencePieceProcessor(model_file=str(path))
+        except Exception as exc:
+            reason = " ".join(str(exc).replace(str(path), "it").split())[:200]
+            raise ValueError(
+                f"SentencePiece model {str(path)!r} is not a valid model file "
+                f"({type(exc).__name__}: {reason}); pass the .model file sentencepiece wrote"
+            ) from exc
         if self.sp.eos_id() < 0:
             raise ValueError(f"SentencePiece model {str(path)!r} defines no EOS piece (eos_id=-1)")
         self.has_chat_template = False

@@ -1,8 +1,10 @@
-"""One reward worker process, started by :class:`~reco_megatron.rewards.pool.RewardPool` as
+"""One reward worker, started by :class:`~reco_megatron.rewards.pool.RewardPool` as
 ``python -m reco_megatron.rewards._worker FD PARENT_PID`` (a fresh interpreter: nothing is
-forked from the trainer, and the caller's ``__main__`` is never re-imported). It ignores the
-job's stop signals (SIGTERM, SIGINT, SIGUSR1: the trainer decides when it ends) and is
-SIGKILLed by the kernel when the trainer dies (``reco_megatron.utils.processes``).
+forked from the trainer, and the caller's ``__main__`` is never re-imported). That process is
+the worker's *keeper*; it forks the *scorer*, which runs :func:`worker_main`, and ends every
+process the reward starts when the scorer, the pool or the trainer ends
+(``reco_megatron.rewards.containment``). Neither dies from the job's stop signals
+(SIGTERM, SIGINT, SIGUSR1: the trainer decides when it ends).
 
 Protocol over a duplex ``Connection`` on the inherited socket ``FD``: the pool first sends
 ``(sys_path, spec, memory_limit_mb)``; the worker sends ``("ready", None)`` or
@@ -20,8 +22,8 @@ import sys
 import traceback
 from multiprocessing.connection import Connection
 
+from reco_megatron.rewards.containment import keeper_main
 from reco_megatron.rewards.types import ERROR, INVALID, MEMORY, NAN, NONE
-from reco_megatron.utils.processes import die_with_parent, ignore_stop_signals
 
 
 def limit_memory(memory_limit_mb: int | None) -> None:
@@ -70,12 +72,13 @@ def worker_main(conn: Connection, spec: str, memory_limit_mb: int | None) -> Non
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point: ``python -m reco_megatron.rewards._worker FD PARENT_PID``."""
+    """Entry point: ``python -m reco_megatron.rewards._worker FD PARENT_PID`` (the keeper)."""
     args = argv if argv is not None else sys.argv[1:]
-    ignore_stop_signals()
-    if len(args) > 1:
-        die_with_parent(int(args[1]))
-    fd = int(args[0])
+    keeper_main(int(args[1]), int(args[0]), _scorer)
+
+
+def _scorer(fd: int) -> None:
+    """The scorer process: read the set-up message, then :func:`worker_main`."""
     conn = Connection(fd)
     try:
         sys_path, spec, memory_limit_mb = conn.recv()

@@ -3,7 +3,8 @@
 Each worker is a fresh interpreter (``python -m reco_megatron.rewards._worker``: not forked
 from the trainer, whose torch threads and GPU state must not be copied, and not
 multiprocessing's ``spawn``, which re-imports the caller's ``__main__``) that caps its
-address space with ``RLIMIT_AS`` and imports the reward function once. The parent hands one
+address space with ``RLIMIT_AS`` and imports the reward function once; no process the reward
+starts outlives the worker, the pool or the trainer (``containment``). The parent hands one
 item at a time to each worker and watches the clock: an item past ``timeout_s`` gets its
 worker SIGKILLed and replaced, and scores 0.0; a worker that dies scores 0.0 and is
 replaced; a MemoryError, an exception, or a return value that is not a finite number (NaN,
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -33,6 +33,7 @@ from typing import Any
 
 import reco_megatron
 from reco_megatron.rewards import types as st
+from reco_megatron.rewards.containment import start_worker, stop_worker
 from reco_megatron.rewards.registry import RewardSpecError, resolve_reward
 from reco_megatron.utils.logging import get_logger
 
@@ -149,30 +150,17 @@ class RewardPool:
 
     # -- worker lifecycle ---------------------------------------------------------------
     def _start_worker(self) -> _Worker:
-        parent_sock, child_sock = socket.socketpair()
         env = dict(os.environ)
         package_root = os.path.dirname(os.path.dirname(os.path.abspath(reco_megatron.__file__)))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
         env[st.GRADER_TIMEOUT_ENV] = str(self.config.grader_timeout_s)
-        fd = child_sock.fileno()
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "reco_megatron.rewards._worker", str(fd), str(os.getpid())],
-            pass_fds=(fd,),
-            env=env,
-            stdin=subprocess.DEVNULL,
-        )
-        child_sock.close()  # only the worker holds its end: its death reads as EOF here
-        conn = Connection(parent_sock.detach())
-        conn.send((list(sys.path), self.config.reward, self.config.memory_limit_mb))
+        first = (list(sys.path), self.config.reward, self.config.memory_limit_mb)
+        proc, conn = start_worker(env, first)
         return _Worker(proc=proc, conn=conn, started=time.monotonic())
 
     @staticmethod
     def _kill(worker: _Worker) -> None:
-        if worker.proc.poll() is None:
-            worker.proc.kill()
-        with contextlib.suppress(subprocess.TimeoutExpired):  # SIGKILL is not ignorable
-            worker.proc.wait(timeout=5)
-        worker.conn.close()
+        stop_worker(worker.proc, worker.conn)  # and every process its reward started
 
     def _replace(self, index: int) -> None:
         self._kill(self._workers[index])
@@ -385,7 +373,8 @@ class RewardPool:
 
     # -- shutdown -----------------------------------------------------------------------
     def close(self) -> None:
-        """Stop every worker (politely, then SIGKILL after 2 s). Idempotent."""
+        """Stop every worker and every process its reward started (politely, then by the
+        keeper after 2 s: ``containment``). Idempotent."""
         for worker in self._workers:
             with contextlib.suppress(BrokenPipeError, OSError):
                 worker.conn.send(None)

@@ -48,7 +48,8 @@ from reco_megatron.trainer.preflight import preflight
 from reco_megatron.trainer.progress import announce_startup
 from reco_megatron.trainer.rollout_agreement import agree_on_completions
 from reco_megatron.trainer.rollout_batch import build_rollout_batch
-from reco_megatron.trainer.run_lock import RunLock, take_run_directory
+from reco_megatron.trainer.run_dir import take_run_directory
+from reco_megatron.trainer.run_lock import RunLock
 from reco_megatron.trainer.sft_warmup import run_warmup
 from reco_megatron.trainer.step_metrics import global_row, rollout_counters
 from reco_megatron.trainer.stop_signals import EXIT_RESUMABLE, StopSignals, stop_here
@@ -82,7 +83,7 @@ class Trainer:
         self.dp_rank = self.layout.dp_rank
         self.dp_size = self.layout.dp_size
         # one trainer per run directory, before anything is written to it
-        self.lock = take_run_directory(cfg.trainer.output_dir, self.rank)
+        self.lock, self.run_id = take_run_directory(cfg.trainer.output_dir, self.rank)
         try:
             self._build(checked)
         except BaseException:  # an unusable checkpoint, a refused resume, a second Ctrl-C
@@ -91,7 +92,9 @@ class Trainer:
 
     def _build(self, checked: Any) -> None:
         cfg = self.cfg
-        self.out = setup.prepare_output_dir(cfg.trainer.output_dir, remove_partials=self.rank == 0)
+        self.out = setup.prepare_output_dir(
+            cfg.trainer.output_dir, remove_partials=self.rank == 0, run_id=self.run_id
+        )
         dist.barrier()  # no rank looks at checkpoints/ while rank 0 clears partial saves
         self.resume = ResumeCheck(cfg, self.config_plain, self.out, self.rank)
         self.tokenizer = checked.tokenizer
@@ -316,6 +319,7 @@ class Trainer:
                 keep_last=self.cfg.checkpoint.keep_last,
                 name=sft_checkpoint_name(sft_step) if sft_step is not None else None,
                 group_writable=self.cfg.checkpoint.group_writable,
+                run_id=self.run_id,
             )
         except CheckpointSpaceError as exc:  # the message says it all: no traceback
             raise SystemExit(f"reco-train: {exc}") from None

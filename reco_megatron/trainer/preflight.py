@@ -61,8 +61,9 @@ def load_tokenizer(spec: str) -> Tokenizer:
             return SentencePieceTokenizer(path)
         if path.is_dir():
             return HFTokenizer(path)
-    except (OSError, ValueError, ImportError) as exc:
-        raise ConfigError([f"data.tokenizer={spec!r}: cannot load it ({exc})"]) from exc
+    except Exception as exc:  # every library error for a bad file is one line
+        reason = " ".join(str(exc).split())[:600]
+        raise ConfigError([f"data.tokenizer={spec!r}: cannot load it ({reason})"]) from exc
     raise ConfigError(
         [
             f"data.tokenizer={spec!r} is neither a SentencePiece .model file nor a tokenizer "

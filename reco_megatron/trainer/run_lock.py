@@ -43,11 +43,13 @@ from typing import Any
 
 from reco_megatron.utils.logging import get_logger
 
-__all__ = ["LOCK_NAME", "Holder", "RunLock", "RunLockError", "take_run_directory"]
+__all__ = ["LOCK_NAME", "RUN_MARKER", "Holder", "RunLock", "RunLockError"]
 
 logger = get_logger(__name__)
 
 LOCK_NAME = "trainer.lock"
+RUN_MARKER = "run.json"
+"""The run directory's marker (``run_dir``); a failed start in a new directory removes it."""
 HEARTBEAT_S = 30.0
 """Seconds between refreshes of the lock file's modification time."""
 STALE_AFTER_S = 3 * HEARTBEAT_S
@@ -225,9 +227,11 @@ class RunLock:
         if fd is None:
             return
         out = self.path.parent
-        unused = failed_start and self.created and [p.name for p in out.iterdir()] == [LOCK_NAME]
+        names = {p.name for p in out.iterdir()}
+        unused = failed_start and self.created and names <= {LOCK_NAME, RUN_MARKER}
         with contextlib.suppress(OSError):
             if unused:
+                (out / RUN_MARKER).unlink(missing_ok=True)
                 self.path.unlink()  # while holding it: nobody else can have it open locked
                 out.rmdir()
             else:
@@ -245,32 +249,6 @@ class RunLock:
 
     def __exit__(self, *exc: Any) -> None:
         self.release()
-
-
-def take_run_directory(out_dir: str | Path, rank: int) -> RunLock | None:
-    """Global rank 0 takes the lock of ``out_dir``; every rank learns the outcome (collective)
-    and raises the same :class:`RunLockError` (busy) or ``ConfigError`` (not writable).
-    Returns the held lock on rank 0, None elsewhere."""
-    from reco_megatron.config import ConfigError
-    from reco_megatron.megatron.checkpoint.collective import from_rank0
-
-    lock, outcome = None, None
-    if rank == 0:
-        try:
-            lock = RunLock(out_dir).acquire()
-        except RunLockError as exc:
-            outcome = ("busy", str(exc))
-        except OSError as exc:
-            outcome = (
-                "unwritable",
-                f"trainer.output_dir={str(out_dir)!r} is not writable ({exc.strerror}): choose "
-                "another directory with trainer.output_dir=...",
-            )
-    outcome = from_rank0(outcome)
-    if outcome is None:
-        return lock
-    kind, message = outcome
-    raise RunLockError(message) if kind == "busy" else ConfigError([message])
 
 
 def _read_holder(fd: int) -> Holder | None:

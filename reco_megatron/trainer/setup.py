@@ -30,11 +30,12 @@ def _nearest_existing(path: Path) -> Path:
     return path
 
 
-def prepare_output_dir(path: str | Path, *, remove_partials: bool = True) -> Path:
+def prepare_output_dir(path: str | Path, *, remove_partials: bool = True, run_id: str = "") -> Path:
     """Create ``path`` and prove it is writable with room to spare, before any compute.
 
-    ``remove_partials``: first remove the partial checkpoints an interrupted save left (only
-    the process holding the run directory's lock may: ``run_lock``; other ranks pass False).
+    ``remove_partials``: first remove the partial checkpoints an interrupted save of run
+    ``run_id`` left (only the process holding the run directory's lock may: ``run_lock``;
+    other ranks pass False).
 
     Raises:
         ConfigError: not writable, or under :data:`MIN_FREE_BYTES` free once the partial
@@ -44,7 +45,7 @@ def prepare_output_dir(path: str | Path, *, remove_partials: bool = True) -> Pat
     out = Path(path)
     # a save cut short (SIGKILL, full disk) leaves .tmp-step_*: it must not eat the space
     if remove_partials:
-        remove_partial_checkpoints(out / "checkpoints")
+        remove_partial_checkpoints(out / "checkpoints", run_id=run_id)
     free = shutil.disk_usage(_nearest_existing(out)).free
     if free < MIN_FREE_BYTES:
         raise ConfigError(

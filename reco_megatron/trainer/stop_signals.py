@@ -150,8 +150,16 @@ def report_abort(output_dir: str, rank: int) -> int:
 
     if rank != 0:
         return EXIT_RESUMABLE
+    from reco_megatron.trainer.run_dir import read_run_id
+
     root = Path(output_dir) / "checkpoints"
-    removed = remove_partial_checkpoints(root, quiet=True) if root.is_dir() else []
+    try:
+        run_id = read_run_id(output_dir) or ""
+    except ValueError:
+        run_id = None  # not a marked run: remove nothing
+    removed = []
+    if root.is_dir() and run_id is not None:
+        removed = remove_partial_checkpoints(root, quiet=True, run_id=run_id)
     try:
         latest = latest_checkpoint(root)
     except CheckpointError:

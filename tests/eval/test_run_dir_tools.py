@@ -80,6 +80,20 @@ def test_export_loads_with_auto_classes_and_generates(run_dir: Path, tmp_path: P
     assert isinstance(tok.decode(new[0, ids.shape[1] :]), str)
 
 
+def test_export_leaves_a_sibling_tmp_folder_alone(run_dir: Path, tmp_path: Path) -> None:
+    """Before: ``reco-export ... OUT`` removed ``.tmp-OUT`` beside it and all it held."""
+    sibling = tmp_path / ".tmp-hf"
+    sibling.mkdir()
+    (sibling / "keep.txt").write_text("mine")
+    out = tmp_path / "hf"
+    (code,) = run_distributed(
+        _export, 1, args=([str(run_dir / "checkpoints"), str(out)],), timeout=600
+    )
+    assert code == 0 and (out / "config.json").is_file()
+    assert (sibling / "keep.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-hf", "hf"]
+
+
 def test_export_refuses_a_non_empty_folder_naming_the_flag(
     run_dir: Path, tmp_path: Path, caplog
 ) -> None:

@@ -24,6 +24,7 @@ from reco_megatron.megatron.checkpoint import (
     save_checkpoint,
 )
 from reco_megatron.megatron.checkpoint.format import read_latest
+from reco_megatron.megatron.checkpoint.ownership import mark_owner
 from reco_megatron.megatron.checkpoint.resume import remove_partial_checkpoints, resume_latest
 from reco_megatron.testing import run_distributed
 from tests.megatron import _reco
@@ -92,7 +93,8 @@ def test_write_durable_replaces_atomically(tmp_path) -> None:
 
 def test_stale_partials_are_removed_at_start(tmp_path) -> None:
     (tmp_path / ".tmp-step_00000004" / "dist").mkdir(parents=True)
-    (tmp_path / "latest.tmp").write_text("x")
+    mark_owner(tmp_path / ".tmp-step_00000004", "")  # as save_checkpoint does first
+    (tmp_path / "latest.tmp").write_text("step_00000004\n")  # as write_durable leaves it
     (tmp_path / "step_00000003").mkdir()
     assert remove_partial_checkpoints(tmp_path) == [".tmp-step_00000004", "latest.tmp"]
     assert [p.name for p in tmp_path.iterdir()] == ["step_00000003"]

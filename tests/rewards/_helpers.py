@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 from reco_megatron.rewards.types import RewardResult
 
@@ -124,3 +125,32 @@ def alive_then_dead(response: str, gold: str) -> float:
     finally:
         os.close(fd)
     return 1.0 if count <= int(os.environ["RECO_TEST_ALIVE_ITEMS"]) else 0.0
+
+
+def forks_a_session(response: str, gold: str) -> float:
+    """Forks a child that calls ``setsid`` (leaving the worker's group and session), ignores
+    SIGTERM and sleeps; it appends its pid to the file ``gold``. Then, by ``response``:
+    "crash" kills the worker with SIGKILL, "hang" sleeps forever, else 1.0."""
+    if not gold:
+        return 0.0  # the pool's start-up self-check
+    if os.fork() == 0:
+        try:
+            os.setsid()
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            with open(gold, "a") as f:
+                f.write(f"{os.getpid()}\n")
+            while True:
+                time.sleep(3600)
+        finally:
+            os._exit(0)
+    deadline = time.monotonic() + 60
+    while not (os.path.exists(gold) and Path(gold).read_text().endswith("\n")):
+        if time.monotonic() > deadline:
+            raise TimeoutError("the child never wrote its pid")
+        time.sleep(0.01)
+    if response == "crash":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if response == "hang":
+        while True:
+            time.sleep(3600)
+    return 1.0

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from reco_megatron.config import ConfigError
+from reco_megatron.megatron.checkpoint.ownership import mark_owner
 from reco_megatron.trainer import setup
 from reco_megatron.trainer.preflight import load_tokenizer
 from tests.tmpfs import small_tmpfs
@@ -34,6 +35,7 @@ def test_stale_partial_checkpoint_is_removed_before_the_space_check(tmp_path: Pa
     with small_tmpfs(tmp_path / "disk", "80m") as disk:
         partial = disk / "run" / "checkpoints" / ".tmp-step_00000003" / "dist"
         partial.mkdir(parents=True)
+        mark_owner(partial.parent, "")  # as save_checkpoint does first
         (partial / "__0_0.distcp").write_bytes(b"\1" * (40 << 20))
         out = setup.prepare_output_dir(disk / "run")
         assert not (out / "checkpoints" / ".tmp-step_00000003").exists()

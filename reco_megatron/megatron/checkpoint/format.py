@@ -22,6 +22,7 @@ package ``__init__`` lists the public API.
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -105,11 +106,16 @@ def checkpoint_order(path: Path) -> tuple[int, int]:
 
 def complete_checkpoints(root: str | Path) -> list[Path]:
     """Every ``sft_*`` / ``step_*`` directory under ``root`` that has its ``meta.json``, oldest
-    first (SFT checkpoints before ``step_00000000``)."""
+    first (SFT checkpoints before ``step_00000000``). A symlink is not one: the trainer
+    never makes them, so it neither loads nor prunes through one."""
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if _NAME.match(p.name) and (p / "meta.json").exists()]
+    found = [
+        p
+        for p in root.iterdir()
+        if _NAME.match(p.name) and not p.is_symlink() and (p / "meta.json").exists()
+    ]
     return sorted(found, key=checkpoint_order)
 
 
@@ -151,6 +157,12 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     if name is None:
         return None
     path = root / name
+    if path.is_symlink():  # not a pointer problem: no fallback to another checkpoint
+        raise CheckpointError(
+            f"{root / 'latest'} names {name!r}, a symlink to {os.readlink(path)!r}: a run "
+            "resumes only from checkpoints it wrote in its own directory; copy the checkpoint "
+            f"in its place, or start from it with checkpoint.init_megatron={str(path)!r}"
+        )
     if not (path / "meta.json").exists():
         raise LatestPointerError(
             f"{root / 'latest'} names {name!r} but {path}/meta.json does not exist: the checkpoint "

@@ -33,6 +33,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from reco_megatron.utils.paths import file_problem
+
 __all__ = [
     "ALGORITHM",
     "MANIFEST",
@@ -139,8 +141,11 @@ def verify_owned(directory: str | Path, manifest: dict[str, Any], rank: int, wor
     present = []
     for name, entry in sorted(mine.items()):
         path = root / name
-        if not path.is_file():
+        kind = file_problem(path, allow_symlink=False)
+        if kind == "does not exist":
             problems.append(f"{path}: missing")
+        elif kind is not None:
+            problems.append(f"{path}: {kind} (the checkpoint wrote one; restore it from a copy)")
         elif path.stat().st_size != entry["size"]:
             problems.append(
                 f"{path}: size {path.stat().st_size} bytes, the manifest says {entry['size']}"

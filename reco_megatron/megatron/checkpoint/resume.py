@@ -6,22 +6,18 @@ moves the damaged checkpoint aside to ``damaged-step_*`` and goes back one check
 time (``on_damaged="fallback"``); the fallback also covers a damaged or missing ``latest``.
 :func:`remove_partial_checkpoints` deletes the ``.tmp-*`` directories that a save cut short
 by SIGKILL, a second Ctrl-C or a full disk left behind, and the ``.pruned-*`` ones of an
-interrupted prune.
+interrupted prune, when they carry this run's marker (``ownership``).
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 from reco_megatron.megatron.checkpoint import integrity
 from reco_megatron.megatron.checkpoint.collective import barrier, rank
 from reco_megatron.megatron.checkpoint.format import (
-    PREFIX,
-    PRUNED_PREFIX,
-    SFT_PREFIX,
     DamagedCheckpointError,
     LatestPointerError,
     checkpoint_order,
@@ -29,6 +25,7 @@ from reco_megatron.megatron.checkpoint.format import (
     latest_checkpoint,
 )
 from reco_megatron.megatron.checkpoint.load import load_checkpoint
+from reco_megatron.megatron.checkpoint.ownership import partial_leftovers, remove_tree
 from reco_megatron.utils.logging import get_logger
 
 __all__ = ["remove_partial_checkpoints", "resume_latest"]
@@ -128,23 +125,30 @@ def _fall_back(root: Path, path: Path, exc: DamagedCheckpointError, on_damaged: 
     return previous
 
 
-def remove_partial_checkpoints(root: str | Path, *, quiet: bool = False) -> list[str]:
-    """Remove the ``.tmp-step_*`` directories (and ``latest.tmp``) that a save interrupted by
-    a crash, SIGKILL or full disk left under ``root``; returns their names. Call it at start,
+def remove_partial_checkpoints(
+    root: str | Path, *, quiet: bool = False, run_id: str = ""
+) -> list[str]:
+    """Remove what a save or prune of run ``run_id`` interrupted by a crash, SIGKILL or full
+    disk left under ``root`` (``.tmp-*`` / ``.pruned-*`` directories carrying its
+    ``owner.json``, and ``latest.tmp``); returns their names. Look-alikes that do not carry
+    the marker are left in place and named in a warning (``ownership``). Call it at start,
     before any rank saves (every rank may call it: removal ignores races). ``quiet``: the
     caller reports the names itself."""
     root = Path(root)
-    stale = sorted(root.glob(f".tmp-{PREFIX}*")) + sorted(root.glob(f".tmp-{SFT_PREFIX}*"))
-    stale += sorted(root.glob(f"{PRUNED_PREFIX}*")) + sorted(root.glob("latest.tmp"))
+    stale, others = partial_leftovers(root, run_id)
     for path in stale:
-        if path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            path.unlink(missing_ok=True)
+        remove_tree(path)
     if stale and not quiet:
         logger.warning(
             "removed %d partial checkpoint(s) left by an interrupted save: %s",
             len(stale),
             ", ".join(p.name for p in stale),
+        )
+    if others:
+        logger.warning(
+            "left %s in %s: named like a partial checkpoint but not marked as this run's "
+            "(an older release's or not the trainer's); delete it yourself if it is debris",
+            ", ".join(p.name for p in others),
+            root,
         )
     return [p.name for p in stale]

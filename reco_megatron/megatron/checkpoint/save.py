@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import stat
 from collections.abc import Iterator
 from dataclasses import asdict
@@ -47,6 +46,7 @@ from reco_megatron.megatron.checkpoint.format import (
     complete_checkpoints,
 )
 from reco_megatron.megatron.checkpoint.megatron_state import save_model_and_optimizer, state_bytes
+from reco_megatron.megatron.checkpoint.ownership import mark_owner, owned_by, remove_tree
 from reco_megatron.megatron.checkpoint.rng import rng_state
 from reco_megatron.utils.logging import get_logger
 
@@ -78,6 +78,7 @@ def save_checkpoint(
     *,
     name: str | None = None,
     group_writable: bool = False,
+    run_id: str = "",
 ) -> Path:
     """Collective: every rank calls it. Returns the final checkpoint directory.
 
@@ -86,6 +87,8 @@ def save_checkpoint(
     of the SFT warm-up, never pruned; 0 keeps all). Files and directories are written
     without group/other write permission unless ``group_writable`` (``checkpoint.
     group_writable``): a checkpoint is read by code that trusts it to be what was saved.
+    ``run_id``: the run directory's id, written first into the temporary directory
+    (``ownership.OWNER``) so that only this run's leftovers are ever removed as debris.
 
     Raises :class:`CheckpointSpaceError` on every rank when the disk is full (the partial
     directory is removed, ``latest`` is untouched) and :class:`CheckpointError` for any other
@@ -93,17 +96,36 @@ def save_checkpoint(
     """
     root = Path(root)
     final = root / (name or checkpoint_name(step))
-    tmp = root / f".tmp-{final.name}"
     with _umask(0 if group_writable else 0o022):
-        if rank() == 0:
-            root.mkdir(parents=True, exist_ok=True)
-            if not group_writable:
-                _not_group_writable(root)
-            shutil.rmtree(tmp, ignore_errors=True)
-            (tmp / "dist").mkdir(parents=True)
-            (tmp / "rng").mkdir()
-        barrier()
+        made = _make_tmp(root, final.name, run_id, group_writable) if rank() == 0 else None
+        tmp_name, problem = from_rank0(made)
+        if problem is not None:
+            raise CheckpointError(problem)
+        tmp = root / tmp_name
         return _save(root, tmp, final, step, engine, trainer_state, keep_last)
+
+
+def _make_tmp(root: Path, name: str, run_id: str, group_writable: bool) -> tuple[str, str | None]:
+    """Rank 0: create ``.tmp-<name>`` marked as ``run_id``'s; ``(its name, None)`` or
+    ``("", one-line problem)``. A look-alike this run did not write is left alone and a
+    suffixed name used."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        if not group_writable:
+            _not_group_writable(root)
+        tmp = root / f".tmp-{name}"
+        if owned_by(tmp, run_id):  # this run's own leftover of an earlier attempt
+            remove_tree(tmp)
+        n = 1
+        while os.path.lexists(tmp):
+            tmp, n = root / f".tmp-{name}.{n}", n + 1
+        tmp.mkdir()
+        mark_owner(tmp, run_id)
+        (tmp / "dist").mkdir()
+        (tmp / "rng").mkdir()
+    except OSError as exc:
+        return "", f"cannot start checkpoint {root / name}: {exc}"
+    return tmp.name, None
 
 
 def _save(
@@ -143,7 +165,7 @@ def _save(
     failures = from_rank0(failures)
     if failures:
         if rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            remove_tree(tmp)
         barrier()
         message, no_space = integrity.save_failure_message(
             root, final.name, failures, sum(e for _, e in gathered)
@@ -216,10 +238,10 @@ def _finish_save(
     integrity.write_durable(tmp / integrity.MANIFEST, text)
     for sub in ("dist", "rng", "."):
         integrity.fsync_dir(tmp / sub)
-    if final.exists():  # a save of this step whose 'latest' was never written: replace it
+    if os.path.lexists(final):  # a save of this step whose 'latest' was never written
         doomed = root / f"{PRUNED_PREFIX}{final.name}"
         os.replace(final, doomed)
-        shutil.rmtree(doomed, ignore_errors=True)
+        remove_tree(doomed)  # a symlink is unlinked, never followed
     os.replace(tmp, final)
     integrity.fsync_dir(root)
     integrity.write_durable(root / "latest", final.name + "\n")
@@ -243,4 +265,4 @@ def _prune(root: Path, keep_last: int) -> None:
             os.replace(old, doomed)
         except OSError:
             continue
-        shutil.rmtree(doomed, ignore_errors=True)
+        remove_tree(doomed)

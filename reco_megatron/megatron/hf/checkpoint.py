@@ -16,9 +16,9 @@ then fuses, pads and shards them for the current TP/PP layout.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import struct
+import tempfile
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -40,6 +40,7 @@ from reco_megatron.megatron.hf.convert import (
     hf_shapes,
     import_hf_weights,
 )
+from reco_megatron.megatron.hf.target import check_target, move_into_place
 from reco_megatron.megatron.model import ModelConfig
 from reco_megatron.utils.logging import get_logger
 
@@ -260,8 +261,7 @@ def save_hf_checkpoint(
     ``transformers.AutoModelForCausalLM.from_pretrained(out_dir)`` and vLLM load the result.
     """
     out = Path(out_dir)
-    if out.exists() and any(out.iterdir()) and not overwrite:  # every rank: no hang
-        raise FileExistsError(f"{out} exists and is not empty: pass overwrite=True or a new path")
+    check_target(out, overwrite=overwrite)  # every rank: no hang
     plans = stage_plans(model_chunks, model_cfg)
     stream = gather_hf_weights(model_chunks, model_cfg, plans)
     if _rank() != 0:
@@ -269,21 +269,27 @@ def save_hf_checkpoint(
             pass
         dist.barrier()  # rank 0 renames the directory before anyone returns
         return out
-    tmp = out.parent / f".tmp-{out.name}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    plan = [item for stage in plans for item in stage]
-    files = write_safetensors_stream(tmp, plan, stream, max_shard_size)
-    (tmp / "config.json").write_text(json.dumps(hf_config_from_model_config(model_cfg), indent=2))
-    if tokenizer_dir is not None:
-        copied = [n for n in TOKENIZER_FILES if (Path(tokenizer_dir) / n).is_file()]
-        if not copied:
-            raise FileNotFoundError(f"{tokenizer_dir} holds none of {list(TOKENIZER_FILES)}")
-        for name in copied:
-            shutil.copy2(Path(tokenizer_dir) / name, tmp / name)
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    # A directory of our own (unique name, beside the target: the same file system), renamed
+    # into place; nothing this call did not create is ever removed (``out`` itself only
+    # with ``overwrite``, and then after the new export is complete).
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".tmp-{out.name}."))
+    try:
+        plan = [item for stage in plans for item in stage]
+        files = write_safetensors_stream(tmp, plan, stream, max_shard_size)
+        config = json.dumps(hf_config_from_model_config(model_cfg), indent=2)
+        (tmp / "config.json").write_text(config)
+        if tokenizer_dir is not None:
+            copied = [n for n in TOKENIZER_FILES if (Path(tokenizer_dir) / n).is_file()]
+            if not copied:
+                raise FileNotFoundError(f"{tokenizer_dir} holds none of {list(TOKENIZER_FILES)}")
+            for name in copied:
+                shutil.copy2(Path(tokenizer_dir) / name, tmp / name)
+        tmp.chmod(0o755)  # mkdtemp makes 0700; an export is read by whoever serves it
+        move_into_place(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     logger.info("wrote %s (%d tensors in %d file(s))", out, len(plan), len(files))
     if dist.is_initialized():
         dist.barrier()
