@@ -14,10 +14,7 @@ from typing import Literal
 from reco_megatron.algo import LossConfig
 from reco_megatron.data.dataset import DatasetConfig
 from reco_megatron.eval.during_training import EvalConfig
-from reco_megatron.megatron.distributed import ParallelConfig
-from reco_megatron.megatron.engine import UpdateConfig
-from reco_megatron.megatron.model import ModelConfig
-from reco_megatron.megatron.optimizer import OptimConfig
+from reco_megatron.megatron import ModelConfig, OptimConfig, ParallelConfig, UpdateConfig
 from reco_megatron.rewards.pool import RewardPoolConfig
 from reco_megatron.rollout.vllm_requests import VLLM_MAX_TEMPERATURE, VLLM_MIN_TEMPERATURE
 from reco_megatron.trainer import loggers

@@ -22,18 +22,19 @@ from reco_megatron.config import dump_config
 from reco_megatron.config.dump import config_to_dict
 from reco_megatron.data.chat import PromptFormatter
 from reco_megatron.data.sampler import PromptSampler
-from reco_megatron.megatron.batch import data_parallel_groups
-from reco_megatron.megatron.checkpoint import (
+from reco_megatron.megatron import (
     CheckpointSpaceError,
+    ReCoEngine,
+    collective_device,
+    data_parallel_groups,
+    initialize_parallel,
     latest_checkpoint,
     load_checkpoint,
+    rank_layout,
+    resume_latest,
     save_checkpoint,
     sft_checkpoint_name,
 )
-from reco_megatron.megatron.checkpoint.resume import resume_latest
-from reco_megatron.megatron.device import collective_device
-from reco_megatron.megatron.distributed import initialize_parallel, rank_layout
-from reco_megatron.megatron.engine import ReCoEngine
 from reco_megatron.rewards.pool import RewardPool
 from reco_megatron.trainer import reward_health, setup
 from reco_megatron.trainer.config import TrainConfig
@@ -190,7 +191,7 @@ class Trainer:
                 _resolve(cfg.init_megatron), self.engine, load_optimizer=False, load_rng=False
             )
         elif cfg.init_hf:
-            from reco_megatron.megatron.hf.converter import load_hf_into_engine
+            from reco_megatron.megatron import load_hf_into_engine
 
             load_hf_into_engine(cfg.init_hf, self.engine, self.converter)
         if resumed is None and self.cfg.sft.steps > 0:
@@ -408,7 +409,7 @@ class Trainer:
 
     def close(self, *, failed_start: bool = False) -> None:
         """Stop the workers and release the run directory (idempotent)."""
-        from reco_megatron.megatron.checkpoint.megatron_state import shutdown_async_writer
+        from reco_megatron.megatron import shutdown_async_writer
 
         if self.writer is not None:
             self.writer.close()

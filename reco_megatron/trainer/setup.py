@@ -13,8 +13,7 @@ from reco_megatron.config import ConfigError
 from reco_megatron.data.countdown import generate, write_splits
 from reco_megatron.data.dataset import PromptDataset
 from reco_megatron.data.tokenizer import Tokenizer
-from reco_megatron.megatron.batch import RolloutBatch
-from reco_megatron.megatron.checkpoint.resume import remove_partial_checkpoints
+from reco_megatron.megatron import RolloutBatch, remove_partial_checkpoints
 from reco_megatron.trainer.config import TrainConfig
 from reco_megatron.utils.logging import get_logger
 
@@ -111,7 +110,7 @@ def sft_batches(
     """Countdown SFT data: prompt + ``"Answer: <expr>"`` + EOS, several solutions a problem.
 
     Every batch is built identically on every rank (seeded), so data-parallel ranks can take
-    their share with :func:`reco_megatron.megatron.batch.data_parallel_share`.
+    their share with :func:`reco_megatron.megatron.step.batch.data_parallel_share`.
     """
     rng = random.Random(seed)
     problems = generate(countdown.n_train, seed=seed, **countdown.generate_kwargs())
@@ -146,7 +145,7 @@ def sft_batches(
 
 def hf_converter(cfg: TrainConfig, *, on_gpu: bool) -> str:
     """Resolve ``checkpoint.hf_converter`` for this run, once, and log the choice and why."""
-    from reco_megatron.megatron.hf.converter import choose_converter
+    from reco_megatron.megatron import choose_converter
 
     par = cfg.parallel
     choice = choose_converter(

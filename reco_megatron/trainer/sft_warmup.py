@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from reco_megatron.megatron.batch import data_parallel_share
+from reco_megatron.megatron import data_parallel_share
 from reco_megatron.trainer import setup
 from reco_megatron.trainer.progress import sft_progress
 from reco_megatron.trainer.stop_signals import stop_agreed

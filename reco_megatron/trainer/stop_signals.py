@@ -109,7 +109,7 @@ def stop_agreed(signals: StopSignals) -> bool:
     import torch
     import torch.distributed as dist
 
-    from reco_megatron.megatron.device import collective_device
+    from reco_megatron.megatron import collective_device
 
     flag = torch.tensor([1.0 if signals.received is not None else 0.0])
     if dist.is_initialized():
@@ -145,8 +145,11 @@ def report_abort(output_dir: str, rank: int) -> int:
     one line what is intact, and return :data:`EXIT_RESUMABLE`."""
     from pathlib import Path
 
-    from reco_megatron.megatron.checkpoint import CheckpointError, latest_checkpoint
-    from reco_megatron.megatron.checkpoint.resume import remove_partial_checkpoints
+    from reco_megatron.megatron import (
+        CheckpointError,
+        latest_checkpoint,
+        remove_partial_checkpoints,
+    )
 
     if rank != 0:
         return EXIT_RESUMABLE

@@ -26,11 +26,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from reco_megatron.megatron.device import compute_device
-from reco_megatron.megatron.hf.config import hf_config_from_model_config
-from reco_megatron.megatron.hf.convert import hf_shapes
-from reco_megatron.megatron.hf.converter import policy_hf_weights
-from reco_megatron.megatron.model import ModelConfig
+from reco_megatron.megatron import (
+    ModelConfig,
+    compute_device,
+    hf_config_from_model_config,
+    hf_shapes,
+    policy_hf_weights,
+)
 from reco_megatron.rollout.base import Completion, RolloutEngine, SamplingParams
 from reco_megatron.utils.logging import get_logger
 
@@ -99,7 +101,7 @@ def build_rollout_engine(
 
     ``device``: where the embedded engine runs (the training engine's ``engine.device``;
     None: :func:`~reco_megatron.megatron.device.compute_device`). vLLM places itself.
-    ``policy`` is the trainer's :class:`reco_megatron.megatron.engine.ReCoEngine`; the
+    ``policy`` is the trainer's :class:`reco_megatron.megatron.step.engine.ReCoEngine`; the
     ``megatron`` engine decodes on its chunks (required for it, unused by the others)."""
     r = cfg.rollout
     eos = (tokenizer.eos_id,)
@@ -154,10 +156,10 @@ def build_rollout_engine(
 
 def warn_if_colocation_overflows(cfg: Any) -> list[str]:
     """Log a warning per phase of the step whose estimated peak exceeds this GPU
-    (:mod:`reco_megatron.trainer.memory`); returns the messages (none without CUDA)."""
+    (:mod:`reco_megatron.megatron.memory.estimate`); returns the messages (none without CUDA)."""
     if not torch.cuda.is_available():
         return []
-    from reco_megatron.trainer.memory import colocation_budget, colocation_warnings
+    from reco_megatron.megatron import colocation_budget, colocation_warnings
 
     par = cfg.parallel
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -186,7 +188,7 @@ def warn_if_colocation_overflows(cfg: Any) -> list[str]:
 def _megatron_engine(cfg: Any, policy: Any, max_len: int, eos: tuple[int, ...]) -> RolloutEngine:
     """The megatron engine on ``policy``'s chunks (it satisfies the protocol structurally:
     ``reco_megatron.rollout`` never imports megatron, the adapter takes the decoder)."""
-    from reco_megatron.megatron.rollout_engine import MegatronDecoder
+    from reco_megatron.megatron import MegatronDecoder
     from reco_megatron.rollout.megatron_engine import MegatronEngine, MegatronEngineConfig
 
     if policy is None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from reco_megatron.config import load_config
+from reco_megatron.megatron.memory.estimate import GIB, colocation_budget, colocation_warnings
 from reco_megatron.trainer.config import TrainConfig
-from reco_megatron.trainer.memory import GIB, colocation_budget, colocation_warnings
 
 H100_BYTES = 81559 * 2**20
 """An H100 80GB as ``nvidia-smi`` reports it (to confirm: ``total_memory`` of the device)."""
@@ -68,7 +68,8 @@ def test_docs_table_is_the_codes() -> None:
     """docs/rollout.md shows the table ``python -m reco_megatron.trainer.memory`` prints."""
     from pathlib import Path
 
-    from reco_megatron.trainer.memory import colocation_table, example_budgets
+    from reco_megatron.megatron.memory.estimate import colocation_table
+    from reco_megatron.trainer.memory import example_budgets
 
     assert colocation_table(example_budgets()) in Path("docs/rollout.md").read_text()
 
