@@ -129,7 +129,10 @@ class LossConfig:
 
     kl_coef: float = 0.0
     """Coefficient of the per-token KL penalty to the reference policy (>= 0); > 0 requires
-    ``ref_logp=`` in :func:`policy_loss`."""
+    ``ref_logp=`` in :func:`policy_loss`. ReCo (this default and every ``reco*`` preset) uses
+    none: its clip mask on r and trust region on c already keep the update near the old
+    policy, a KL term costs a reference copy of the model, and the measured runs
+    (``docs/results/``) train without one. The ``grpo`` preset keeps its paper's 0.04."""
 
     kl_estimator: KLEstimator = "k3"
     """KL(pi || ref) estimator on sampled tokens: ``k1`` (log p - log p_ref) or ``k3``
@@ -258,7 +261,8 @@ class LossConfig:
           not print it; 0.2 follows verl's canonical CISPO example (clip_ratio_high=0.2).
         - ``reco``: ReCo (arXiv 2607.26862): GRPO plus sequence response weights and the
           Bernoulli token ratio under the PPO-clip mask, with the trust region on c
-          (``c_trust``, width eps_high): without it ReCo can collapse (``docs/loss.md``).
+          (``c_trust``, width eps_high): without it ReCo can collapse (``docs/loss.md``); no
+          KL term (:attr:`kl_coef`). ``LossConfig()`` is this preset.
         - ``reco_plain``: ``reco`` in the paper's plain form (``c_trust=False``: coefficient c,
           capped only by ``c_max``), for ablations.
         - ``reco_response_only`` / ``reco_token_only``: ReCo with the token ratio set back to
@@ -290,6 +294,7 @@ _GRPO: dict[str, Any] = dict(
 )
 _RECO: dict[str, Any] = {
     **_GRPO,
+    "kl_coef": 0.0,  # why: the docstring of LossConfig.kl_coef
     "objective": "reco",
     "response_weight": "sequence",
     "token_ratio": "bernoulli",

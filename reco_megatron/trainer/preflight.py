@@ -196,9 +196,8 @@ def _data(cfg: TrainConfig, tokenizer: Tokenizer | None, problems: list[str]) ->
         return None
     if tokenizer is None:
         return None
-    d.dataset.max_prompt_len = cfg.rollout.max_prompt_len
     try:
-        return PromptDataset(Path(d.train_path), d.dataset, tokenizer=tokenizer)
+        return PromptDataset(Path(d.train_path), cfg.prompt_dataset(), tokenizer=tokenizer)
     except DatasetError as exc:
         problems.append(f"data.train_path: {exc}")
     return None

@@ -23,7 +23,7 @@ ATOL = 1e-5
 B, L, H, VOCAB, V_PAD = 4, 7, 8, 40, 48
 
 CONFIGS = {
-    "reco": LossConfig.preset("reco"),  # KL k3 0.04, sequence weights, Bernoulli ratio
+    "reco": LossConfig.preset("reco", kl_coef=0.04),  # KL k3, sequence weights, Bernoulli ratio
     "reco_categorical_entropy": LossConfig.preset(
         "reco", token_ratio="categorical", entropy_coef=0.01, kl_coef=0.0
     ),
