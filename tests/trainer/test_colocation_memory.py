@@ -81,7 +81,7 @@ def test_start_up_check_reads_the_device_and_warns(monkeypatch) -> None:
 
     import torch
 
-    from reco_megatron.trainer.weight_sync import warn_if_colocation_overflows
+    from reco_megatron.trainer.rollout_engines import warn_if_colocation_overflows
 
     cfg = load_config(TrainConfig, "examples/llama3.1-8b-instruct.yaml", [])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
