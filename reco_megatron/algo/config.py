@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, get_args
 
 Objective = Literal["ppo_clip", "reco", "cispo"]
 AdvantageMode = Literal["grpo", "dr_grpo", "rloo"]
@@ -19,12 +19,14 @@ RatioMode = Literal["importance", "bernoulli", "categorical"]
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 KLEstimator = Literal["k1", "k3"]
 
-OBJECTIVES: tuple[str, ...] = ("ppo_clip", "reco", "cispo")
-ADVANTAGE_MODES: tuple[str, ...] = ("grpo", "dr_grpo", "rloo")
-WEIGHT_MODES: tuple[str, ...] = ("sequence", "geometric", "empirical", "none")
-RATIO_MODES: tuple[str, ...] = ("importance", "bernoulli", "categorical")
-AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
-KL_ESTIMATORS: tuple[str, ...] = ("k1", "k3")
+# The valid values, read from the Literal types above (one list per choice): the loader checks
+# the types of a config file; these let direct callers of the algo functions be checked too.
+OBJECTIVES: tuple[str, ...] = get_args(Objective)
+ADVANTAGE_MODES: tuple[str, ...] = get_args(AdvantageMode)
+WEIGHT_MODES: tuple[str, ...] = get_args(WeightMode)
+RATIO_MODES: tuple[str, ...] = get_args(RatioMode)
+AGGREGATIONS: tuple[str, ...] = get_args(Aggregation)
+KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
 
 
 def _choice(name: str, value: object, valid: tuple[str, ...]) -> None:
