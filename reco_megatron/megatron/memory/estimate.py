@@ -11,13 +11,12 @@ The phases of one step (``docs/rollout.md``, "Memory of one step"):
 * ``refit``: the resident state + vLLM's weights (woken without the KV cache) + the transfer
   buffers of the largest tensor + the asleep residual.
 
-:attr:`ColocationBudget.update_if_awake` is the update without sleeping vLLM (the trainer
-before issue 15), for comparison.
+:attr:`ColocationBudget.update_if_awake` is the update if vLLM stayed awake, for comparison.
 
 The activation term follows Korthikanti et al. (2022) for a SwiGLU/GQA layer with bf16
 activations, sequence parallelism, flash attention and no recomputation:
 ``s * b * (10 h + 4 kv + 6 F) / (TP * CP)`` bytes per layer, plus fp32 logits and their
-gradient on the last stage. Two numbers are assumptions to confirm on the first GPU run
+gradient on the last stage. Two numbers are assumptions, not measurements
 (:data:`VLLM_OTHER_BYTES`, :data:`CONTEXT_BYTES`).
 
 Mixture-of-experts models (``model.moe``): the routed experts are split over EP x expert-TP
