@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from reco_megatron.data.sampler import PromptSampler
 from reco_megatron.megatron import ReCoEngine, latest_checkpoint, load_checkpoint, resume_latest
 from reco_megatron.trainer.config import TrainConfig
 from reco_megatron.trainer.config_history import ResumeCheck
+from reco_megatron.trainer.weight_sync import RolloutClient
 from reco_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -39,13 +39,13 @@ def initialise_weights(
     ckpt_root: Path,
     resume: ResumeCheck,
     sampler: PromptSampler,
-    rollout: Any,
+    rollout: RolloutClient,
     converter: str,
 ) -> Start:
     """Load the weights the run starts from into ``engine`` and restore the loop state it
     resumes (``sampler``'s position, ``rollout``'s state); returns where the loop starts.
 
-    ``rollout`` is the rollout engine (its ``load_state_dict``), ``converter`` the HF weight
+    ``rollout`` is the rollout client (its ``load_state_dict``), ``converter`` the HF weight
     converter for ``init_hf`` (``trainer.setup.hf_converter``).
     """
     ck = cfg.checkpoint

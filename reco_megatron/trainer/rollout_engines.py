@@ -15,9 +15,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from reco_megatron.megatron import compute_device, hf_config_from_model_config, hf_shapes
+from reco_megatron.data.tokenizer import Tokenizer
+from reco_megatron.megatron import (
+    ReCoEngine,
+    compute_device,
+    hf_config_from_model_config,
+    hf_shapes,
+)
 from reco_megatron.rollout.base import RolloutEngine, SamplingParams
 from reco_megatron.rollout.engines import build_engine
+from reco_megatron.trainer.config import TrainConfig
 from reco_megatron.trainer.weight_sync import RolloutClient
 from reco_megatron.utils.logging import get_logger
 
@@ -25,7 +32,10 @@ logger = get_logger(__name__)
 
 
 def build_rollout_engine(
-    cfg: Any, tokenizer: Any, device: torch.device | str | None = None, policy: Any = None
+    cfg: TrainConfig,
+    tokenizer: Tokenizer,
+    device: torch.device | str | None = None,
+    policy: ReCoEngine | None = None,
 ) -> RolloutClient:
     """The configured engine (``embedded``, ``vllm`` or ``megatron``) for the policy.
 
@@ -70,7 +80,7 @@ def build_rollout_engine(
     return RolloutClient(engine, sampling, expected)
 
 
-def warn_if_colocation_overflows(cfg: Any) -> list[str]:
+def warn_if_colocation_overflows(cfg: TrainConfig) -> list[str]:
     """Log a warning per phase of the step whose estimated peak exceeds this GPU
     (:mod:`reco_megatron.megatron.memory.estimate`); returns the messages (none without CUDA)."""
     if not torch.cuda.is_available():
@@ -101,7 +111,9 @@ def warn_if_colocation_overflows(cfg: Any) -> list[str]:
     return messages
 
 
-def _megatron_engine(cfg: Any, policy: Any, max_len: int, eos: tuple[int, ...]) -> RolloutEngine:
+def _megatron_engine(
+    cfg: TrainConfig, policy: ReCoEngine | None, max_len: int, eos: tuple[int, ...]
+) -> RolloutEngine:
     """The megatron engine on ``policy``'s chunks (it satisfies the protocol structurally:
     ``reco_megatron.rollout`` never imports megatron, the adapter takes the decoder)."""
     from reco_megatron.megatron import MegatronDecoder
@@ -121,7 +133,7 @@ def _megatron_engine(cfg: Any, policy: Any, max_len: int, eos: tuple[int, ...]) 
     return MegatronEngine(decoder, MegatronEngineConfig(seed=cfg.trainer.seed, eos_token_ids=eos))
 
 
-def write_rollout_model_dir(cfg: Any, hf_config: dict[str, Any]) -> Path:
+def write_rollout_model_dir(cfg: TrainConfig, hf_config: dict[str, Any]) -> Path:
     """``<output_dir>/rollout_model/config.json``: the policy architecture vLLM builds (with
     dummy weights, replaced by the first :func:`sync_weights`). Written by global rank 0."""
     import json

@@ -14,8 +14,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
+from reco_megatron.data.tokenizer import Tokenizer
 from reco_megatron.megatron import ReCoEngine, data_parallel_share
 from reco_megatron.trainer import setup
 from reco_megatron.trainer.config import TrainConfig
@@ -41,7 +41,7 @@ class Warmup:
 def run_warmup(
     cfg: TrainConfig,
     engine: ReCoEngine,
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     signals: StopSignals,
     save: Callable[..., None],
     *,

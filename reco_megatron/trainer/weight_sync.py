@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from reco_megatron.megatron import ModelConfig, policy_hf_weights
+from reco_megatron.megatron import ModelConfig, ReCoEngine, policy_hf_weights
 from reco_megatron.rollout.base import Completion, RolloutEngine, SamplingParams
 from reco_megatron.utils.logging import get_logger
 
@@ -87,7 +87,7 @@ class RolloutClient:
 
 
 def sync_weights(
-    engine: Any, rollout: RolloutClient, model_cfg: ModelConfig, converter: str = "builtin"
+    engine: ReCoEngine, rollout: RolloutClient, model_cfg: ModelConfig, converter: str = "builtin"
 ) -> None:
     """Stream the current policy into the rollout engine (collective): wake its weights, push
     them checked per tensor, reset its prefix cache, wake its KV cache
