@@ -1,5 +1,5 @@
 """Benchmark: the activation memory of one transformer layer, measured on CPU, against the
-scaling law ``trainer/memory.py`` assumes.
+scaling law ``megatron/memory/estimate.py`` assumes.
 
 The estimate (Korthikanti et al. 2022, SwiGLU/GQA, flash attention, no recomputation) keeps
 ``s * b * (10 h + 4 kv + 6 F) / TP`` bytes per layer in bf16 with sequence parallelism, i.e.
@@ -60,7 +60,8 @@ def _saved_elements(model, tokens, positions) -> tuple[int, dict[str, int]]:
 
 def _body(rank, world_size, tp, sp):
     from reco_megatron.megatron.distributed import ParallelConfig, initialize_parallel
-    from reco_megatron.megatron.model import ModelConfig, build_model, transformer_config
+    from reco_megatron.megatron.model.build import build_model, transformer_config
+    from reco_megatron.megatron.model.config import ModelConfig
 
     parallel = ParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=sp)
     initialize_parallel(parallel, seed=0)

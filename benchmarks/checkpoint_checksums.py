@@ -76,9 +76,10 @@ def _save_part(rank, world_size, root, hidden, layers):
     from reco_megatron.algo import LossConfig
     from reco_megatron.megatron.checkpoint import integrity, save_checkpoint, verify_checkpoint
     from reco_megatron.megatron.distributed import ParallelConfig, initialize_parallel
-    from reco_megatron.megatron.engine import ReCoEngine, UpdateConfig
-    from reco_megatron.megatron.model import ModelConfig
-    from reco_megatron.megatron.optimizer import OptimConfig
+    from reco_megatron.megatron.model.config import ModelConfig
+    from reco_megatron.megatron.model.optimizer import OptimConfig
+    from reco_megatron.megatron.step.config import UpdateConfig
+    from reco_megatron.megatron.step.engine import ReCoEngine
 
     parallel = ParallelConfig(micro_batch_size=1)
     initialize_parallel(parallel, seed=0)

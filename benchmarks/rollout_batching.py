@@ -25,7 +25,7 @@ from dataclasses import replace
 import torch
 
 from reco_megatron.megatron.hf.config import hf_config_from_model_config
-from reco_megatron.megatron.model import ModelConfig
+from reco_megatron.megatron.model.config import ModelConfig
 from reco_megatron.rollout import EmbeddedEngine, EmbeddedEngineConfig, SamplingParams
 
 

@@ -43,11 +43,12 @@ from typing import Any
 
 import torch
 
+from reco_megatron.megatron.decoding.decoder import MegatronDecoder
 from reco_megatron.megatron.distributed import ParallelConfig, initialize_parallel
 from reco_megatron.megatron.hf.config import hf_config_from_model_config
 from reco_megatron.megatron.hf.converter import policy_hf_weights
-from reco_megatron.megatron.model import ModelConfig, build_model, transformer_config
-from reco_megatron.megatron.rollout_engine import MegatronDecoder
+from reco_megatron.megatron.model.build import build_model, transformer_config
+from reco_megatron.megatron.model.config import ModelConfig
 from reco_megatron.rollout import EmbeddedEngine, EmbeddedEngineConfig, SamplingParams
 from reco_megatron.rollout.megatron_engine import MegatronEngine, MegatronEngineConfig
 from reco_megatron.utils.jsonfile import write_json

@@ -70,7 +70,7 @@ def lengths(
 
 def rollout_batch(args: argparse.Namespace, vocab: int):
     """The global batch: right-padded to its longest sequence, group-major."""
-    from reco_megatron.megatron.batch import RolloutBatch
+    from reco_megatron.megatron.step.batch import RolloutBatch
 
     g, n = args.group_size, args.groups
     prompts, responses = lengths(n, g, args)
@@ -96,12 +96,13 @@ def _body(rank: int, world_size: int, mode: str, args: argparse.Namespace) -> di
     from megatron.core import parallel_state as ps
 
     from reco_megatron.algo import LossConfig
-    from reco_megatron.megatron.batch import data_parallel_share
     from reco_megatron.megatron.distributed import ParallelConfig, initialize_parallel
-    from reco_megatron.megatron.engine import ReCoEngine, UpdateConfig
-    from reco_megatron.megatron.microbatching import needed_lengths, round_up, take_rows
-    from reco_megatron.megatron.model import ModelConfig
-    from reco_megatron.megatron.optimizer import OptimConfig
+    from reco_megatron.megatron.model.config import ModelConfig
+    from reco_megatron.megatron.model.optimizer import OptimConfig
+    from reco_megatron.megatron.step.batch import data_parallel_share
+    from reco_megatron.megatron.step.config import UpdateConfig
+    from reco_megatron.megatron.step.engine import ReCoEngine
+    from reco_megatron.megatron.step.microbatching import needed_lengths, round_up, take_rows
 
     parallel = ParallelConfig(micro_batch_size=args.micro_batch_size)
     initialize_parallel(parallel, seed=0)
@@ -162,7 +163,7 @@ def _body(rank: int, world_size: int, mode: str, args: argparse.Namespace) -> di
 
 def scale_planning() -> dict:
     """Padding of the plans alone at the 8B example's scale (no model)."""
-    from reco_megatron.megatron.microbatching import budget_plan, fixed_plan, round_up
+    from reco_megatron.megatron.step.microbatching import budget_plan, fixed_plan, round_up
 
     ns = argparse.Namespace(prompt_min=64, prompt_max=1024, median=600, sigma=0.8, max_new=3072)
     groups, g, dp, minibatches, budget = 128, 8, 4, 4, 4096

@@ -37,7 +37,7 @@ GROUPS, GROUP_SIZE, LENGTH, MICRO = 4, 4, 257, 4
 
 
 def _batch(vocab: int):
-    from reco_megatron.megatron.batch import RolloutBatch
+    from reco_megatron.megatron.step.batch import RolloutBatch
 
     gen = torch.Generator().manual_seed(0)
     b = GROUPS * GROUP_SIZE
@@ -57,9 +57,10 @@ def _body(rank, world_size, reps):
 
     from reco_megatron.algo import LossConfig, policy_loss
     from reco_megatron.megatron.distributed import ParallelConfig, initialize_parallel
-    from reco_megatron.megatron.engine import ReCoEngine, UpdateConfig
-    from reco_megatron.megatron.model import ModelConfig
-    from reco_megatron.megatron.optimizer import OptimConfig
+    from reco_megatron.megatron.model.config import ModelConfig
+    from reco_megatron.megatron.model.optimizer import OptimConfig
+    from reco_megatron.megatron.step.config import UpdateConfig
+    from reco_megatron.megatron.step.engine import ReCoEngine
     from reco_megatron.parallel import vocab_parallel_stats
 
     parallel = ParallelConfig(tensor_model_parallel_size=world_size, micro_batch_size=MICRO)

@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet_known_warnings()
     from reco_megatron.data.dataset import DatasetConfig, DatasetError
     from reco_megatron.eval.pipeline import EvalSettings, run_evaluation
-    from reco_megatron.megatron.checkpoint import CheckpointError
+    from reco_megatron.megatron import CheckpointError
 
     gpu = args.engine == "vllm"
     n = args.n if args.n is not None else (256 if gpu else 16)

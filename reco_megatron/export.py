@@ -61,7 +61,7 @@ def parse_size(text: str) -> int:
 
 def resolve_checkpoint(path: str | Path) -> Path:
     """A ``step_*`` directory from itself or from a root holding ``latest``."""
-    from reco_megatron.megatron.checkpoint import CheckpointError, latest_checkpoint
+    from reco_megatron.megatron import CheckpointError, latest_checkpoint
 
     path = Path(path)
     if not path.is_dir():
@@ -172,15 +172,19 @@ def _write_hf(
 ) -> Path:
     import torch.distributed as dist
 
-    from reco_megatron.megatron.checkpoint import (
+    from reco_megatron.megatron import (
+        DEFAULT_MAX_SHARD_SIZE,
         CheckpointError,
+        ModelConfig,
+        ParallelConfig,
         UnsafeCheckpointError,
+        build_model,
+        initialize_parallel,
+        load_model_and_optimizer,
+        save_hf_checkpoint,
+        transformer_config,
         verify_checkpoint,
     )
-    from reco_megatron.megatron.checkpoint.megatron_state import load_model_and_optimizer
-    from reco_megatron.megatron.distributed import ParallelConfig, initialize_parallel
-    from reco_megatron.megatron.hf.checkpoint import DEFAULT_MAX_SHARD_SIZE, save_hf_checkpoint
-    from reco_megatron.megatron.model import ModelConfig, build_model, transformer_config
 
     try:
         saved = ModelConfig(**meta["layout"]["model"])
@@ -229,8 +233,7 @@ def export_checkpoint(
     Runs in one process (a world of 1 is started when ``torch.distributed`` is not). The
     output folder and the tokenizer are checked before the model is built.
     """
-    from reco_megatron.megatron.checkpoint import read_meta
-    from reco_megatron.megatron.hf.target import check_target
+    from reco_megatron.megatron import check_target, read_meta
 
     check_target(out_dir, overwrite=overwrite)  # before anything is read or loaded
     path = resolve_checkpoint(checkpoint)
@@ -257,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     quiet_known_warnings()
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU export: no device memory needed
-    from reco_megatron.megatron.checkpoint import CheckpointError
+    from reco_megatron.megatron import CheckpointError
 
     try:
         export_checkpoint(

@@ -104,7 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _train(cfg: TrainConfig, signals: StopSignals) -> int:
     """Build the trainer and run it; the exit status (see the module doc)."""
-    from reco_megatron.megatron.checkpoint import CheckpointError
+    from reco_megatron.megatron import CheckpointError
     from reco_megatron.rewards.registry import RewardSpecError
     from reco_megatron.trainer.guards import StabilityStop
     from reco_megatron.trainer.loop import Trainer

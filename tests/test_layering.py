@@ -11,13 +11,17 @@ the sources (imports inside functions included) finds forbidden imports and impo
 higher layers. ``vllm`` may only be imported inside functions (lazily), and only by rollout.
 No package calls ``eval``/``exec``/``compile`` (model output and config values are data).
 
-Inside ``megatron`` there are four rooms: the engine (``megatron/*.py``), megatron-core's
-compatibility layer (``megatron/compat``: versions and the CPU backend), Hugging Face weights
-(``megatron/hf``) and training checkpoints (``megatron/checkpoint``). The CPU backend is
-enabled only by the start-up paths (a run's, and the memory census's fake world), neither
-the weights room nor the checkpoint room imports the engine (the checkpoint code takes an
-engine object; it never builds one), and Megatron-Bridge is never loaded at import time. No
-module of the package takes part in an import cycle (imports inside functions included).
+Inside ``megatron`` there is a folder per job: the engine (``step``, ``model``, ``decoding``,
+``memory`` and the flat ``distributed`` / ``device``), megatron-core's compatibility layer
+(``megatron/compat``: versions and the CPU backend), Hugging Face weights (``megatron/hf``) and
+training checkpoints (``megatron/checkpoint``); at most six flat modules beside them. Code
+outside ``megatron`` imports only the names its ``__init__`` exports, never a submodule, and
+no module inside imports that face (it loads them lazily; a module that did would be a cycle).
+The CPU backend is enabled only by the start-up paths (a run's, and the memory census's fake
+world), neither the weights room nor the checkpoint room imports the engine (the checkpoint
+code takes an engine object; it never builds one), and Megatron-Bridge is never loaded at
+import time. No module of the package takes part in an import cycle (imports inside functions
+included).
 """
 
 from __future__ import annotations
@@ -128,9 +132,10 @@ def test_no_eval_or_exec_anywhere() -> None:
 
 # ----------------------------------------------------------------- the rooms of megatron/
 MEGATRON = PKG / "megatron"
-ENGINE_MODULES = tuple(
-    f"reco_megatron.megatron.{p.stem}" for p in MEGATRON.glob("*.py") if p.stem != "__init__"
-)
+ROOMS = ("compat", "hf", "checkpoint")
+"""Sub-packages that are not the engine."""
+ENGINE_FOLDERS = ("step", "model", "decoding", "memory")
+"""The engine's folders, one per job."""
 CPU_BACKEND = (
     "reco_megatron.megatron.compat.cpu_backend",
     "reco_megatron.megatron.compat.cpu_patches",
@@ -139,7 +144,7 @@ CPU_BACKEND = (
 # The engine's start-up path: the only engine module that may enable the CPU backend.
 STARTUP = (
     "reco_megatron.megatron.distributed",  # a run's start-up
-    "reco_megatron.megatron.memory_census",  # a layout census: its own (fake) process group
+    "reco_megatron.megatron.memory.census",  # a layout census: its own (fake) process group
 )
 
 
@@ -152,15 +157,102 @@ def _all_modules() -> dict[str, Path]:
     return {_module_name(p): p for p in PKG.rglob("*.py")}
 
 
-def test_the_four_rooms_exist() -> None:
-    assert "reco_megatron.megatron.engine" in ENGINE_MODULES
-    for room in ("compat", "hf", "checkpoint"):
+ENGINE_MODULES = tuple(
+    _module_name(p)
+    for p in sorted(MEGATRON.rglob("*.py"))
+    if p.relative_to(MEGATRON).parts[0] not in ROOMS and p != MEGATRON / "__init__.py"
+)
+
+
+def test_the_rooms_exist() -> None:
+    assert "reco_megatron.megatron.step.engine" in ENGINE_MODULES
+    for room in (*ROOMS, *ENGINE_FOLDERS):
         assert (MEGATRON / room / "__init__.py").exists(), room
     assert not [
         p.name
         for p in MEGATRON.glob("*.py")
         if p.stem in ("bridge", "cpu_backend") or p.stem.startswith("checkpoint")
     ]
+
+
+def test_megatron_keeps_at_most_six_flat_modules() -> None:
+    flat = sorted(p.name for p in MEGATRON.glob("*.py") if p.stem != "__init__")
+    assert len(flat) <= 6, f"reco_megatron/megatron/ has {len(flat)} flat modules: {flat}"
+
+
+def _submodule_imports(path: Path) -> list[str]:
+    """Imports in ``path`` that name a module below ``reco_megatron.megatron`` (not the face)."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names if a.name.startswith("reco_megatron.megatron.")]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module.startswith("reco_megatron.megatron."):
+                out.append(node.module)
+            elif node.module == "reco_megatron.megatron":
+                modules = _all_modules()
+                out += [
+                    f"reco_megatron.megatron.{a.name}"
+                    for a in node.names
+                    if f"reco_megatron.megatron.{a.name}" in modules
+                ]
+    return out
+
+
+def test_nothing_outside_megatron_imports_its_submodules() -> None:
+    """The rest of the package imports the adapter's exported names, never its files."""
+    offenders = [
+        f"{path.relative_to(PKG)}: {name}"
+        for path in sorted(PKG.rglob("*.py"))
+        if path.relative_to(PKG).parts[0] != "megatron"
+        for name in _submodule_imports(path)
+    ]
+    assert not offenders, (
+        "import these from reco_megatron.megatron (export the name in its __init__ if it is "
+        "missing):\n" + "\n".join(offenders)
+    )
+
+
+def test_the_submodule_rule_catches_a_submodule_import(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text(
+        "from reco_megatron.megatron.step.engine import ReCoEngine\n"
+        "from reco_megatron.megatron import checkpoint\n"
+        "from reco_megatron.megatron import ReCoEngine\n"
+        "def f():\n    import reco_megatron.megatron.device\n"
+    )
+    assert _submodule_imports(bad) == [
+        "reco_megatron.megatron.step.engine",
+        "reco_megatron.megatron.checkpoint",
+        "reco_megatron.megatron.device",
+    ]
+
+
+def test_no_module_inside_megatron_imports_its_face() -> None:
+    offenders = [
+        f"{name}: from reco_megatron.megatron import {alias.name}"
+        for name, path in _all_modules().items()
+        if name.startswith("reco_megatron.megatron.")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom) and node.module == "reco_megatron.megatron"
+        for alias in node.names
+        if f"reco_megatron.megatron.{alias.name}" not in _all_modules()
+    ]
+    assert not offenders, offenders
+
+
+def test_the_face_exports_resolve_and_load_nothing_heavy() -> None:
+    """Every exported name exists where the face says, and importing the face loads no torch
+    and no megatron-core (its names load on first use)."""
+    code = (
+        "import sys\n"
+        "import reco_megatron.megatron as face\n"
+        "heavy = sorted(m for m in ('torch', 'megatron.core') if m in sys.modules)\n"
+        "missing = [n for n in face.__all__ if not hasattr(face, n)]\n"
+        "print(heavy, missing)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[] []", out.stdout
 
 
 def test_only_the_startup_path_imports_the_cpu_backend() -> None:
@@ -176,13 +268,13 @@ def test_only_the_startup_path_imports_the_cpu_backend() -> None:
 
 def test_the_weights_room_never_imports_the_engine() -> None:
     # The architecture definitions (model and its MoE block) are shared with the weights room.
-    shared = ("reco_megatron.megatron.model", "reco_megatron.megatron.moe")
+    shared = ("reco_megatron.megatron.model.config", "reco_megatron.megatron.model.moe")
     engine = tuple(m for m in ENGINE_MODULES if m not in shared)
     offenders = [
         f"{path.name}: {imported}"
         for path in sorted((MEGATRON / "hf").rglob("*.py"))
         for imported, _ in _imports(path)
-        if _matches(imported, (*engine, *CPU_BACKEND))
+        if imported in (*engine, *CPU_BACKEND)
     ]
     assert not offenders, offenders
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, get_args
 
 Objective = Literal["ppo_clip", "reco", "cispo"]
 AdvantageMode = Literal["grpo", "dr_grpo", "rloo"]
@@ -19,23 +19,18 @@ RatioMode = Literal["importance", "bernoulli", "categorical"]
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 KLEstimator = Literal["k1", "k3"]
 
-OBJECTIVES: tuple[str, ...] = ("ppo_clip", "reco", "cispo")
-ADVANTAGE_MODES: tuple[str, ...] = ("grpo", "dr_grpo", "rloo")
-WEIGHT_MODES: tuple[str, ...] = (
-    "sequence",
-    "geometric",
-    "empirical",
-    "prefix",
-    "prefix_empirical",
-    "none",
-)
+# The valid values, read from the Literal types above (one list per choice): the loader checks
+# the types of a config file; these let direct callers of the algo functions be checked too.
+OBJECTIVES: tuple[str, ...] = get_args(Objective)
+ADVANTAGE_MODES: tuple[str, ...] = get_args(AdvantageMode)
+WEIGHT_MODES: tuple[str, ...] = get_args(WeightMode)
 PER_TOKEN_WEIGHT_MODES: tuple[str, ...] = ("prefix", "prefix_empirical")
 """Response weight modes that give one weight per token (``[B*G, T]``), not per response."""
 TOKEN_ID_WEIGHT_MODES: tuple[str, ...] = ("empirical", "prefix_empirical")
 """Response weight modes that count token-identical responses / prefixes (need token ids)."""
-RATIO_MODES: tuple[str, ...] = ("importance", "bernoulli", "categorical")
-AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
-KL_ESTIMATORS: tuple[str, ...] = ("k1", "k3")
+RATIO_MODES: tuple[str, ...] = get_args(RatioMode)
+AGGREGATIONS: tuple[str, ...] = get_args(Aggregation)
+KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
 
 
 def _choice(name: str, value: object, valid: tuple[str, ...]) -> None:
@@ -55,8 +50,8 @@ class LossConfig:
     """Configuration of :func:`reco_megatron.algo.policy_loss` and its helpers.
 
     The defaults are the ReCo loss (sequence weights, Bernoulli ratio, PPO-clip mask, trust
-    region on c, token-mean) without the KL term that the ``reco`` preset inherits from GRPO. See
-    ``docs/loss.md`` for the formulas and :meth:`preset` for the baselines.
+    region on c, token-mean, no KL term): the ``reco`` preset. See ``docs/loss.md`` for the
+    formulas and :meth:`preset` for the baselines.
     """
 
     PRESET_FIELD: ClassVar[str] = "preset"
@@ -142,7 +137,10 @@ class LossConfig:
 
     kl_coef: float = 0.0
     """Coefficient of the per-token KL penalty to the reference policy (>= 0); > 0 requires
-    ``ref_logp=`` in :func:`policy_loss`."""
+    ``ref_logp=`` in :func:`policy_loss`. ReCo (this default and every ``reco*`` preset) uses
+    none: its clip mask on r and trust region on c already keep the update near the old
+    policy, a KL term costs a reference copy of the model, and the measured runs
+    (``docs/results/``) train without one. The ``grpo`` preset keeps its paper's 0.04."""
 
     kl_estimator: KLEstimator = "k3"
     """KL(pi || ref) estimator on sampled tokens: ``k1`` (log p - log p_ref) or ``k3``
@@ -271,7 +269,8 @@ class LossConfig:
           not print it; 0.2 follows verl's canonical CISPO example (clip_ratio_high=0.2).
         - ``reco``: ReCo (arXiv 2607.26862): GRPO plus sequence response weights and the
           Bernoulli token ratio under the PPO-clip mask, with the trust region on c
-          (``c_trust``, width eps_high): without it ReCo can collapse (``docs/loss.md``).
+          (``c_trust``, width eps_high): without it ReCo can collapse (``docs/loss.md``); no
+          KL term (:attr:`kl_coef`). ``LossConfig()`` is this preset.
         - ``reco_plain``: ``reco`` in the paper's plain form (``c_trust=False``: coefficient c,
           capped only by ``c_max``), for ablations.
         - ``reco_response_only`` / ``reco_token_only``: ReCo with the token ratio set back to
@@ -303,6 +302,7 @@ _GRPO: dict[str, Any] = dict(
 )
 _RECO: dict[str, Any] = {
     **_GRPO,
+    "kl_coef": 0.0,  # why: the docstring of LossConfig.kl_coef
     "objective": "reco",
     "response_weight": "sequence",
     "token_ratio": "bernoulli",

@@ -5,7 +5,7 @@ Every metric key ends in its reduction across micro-batches and ranks: ``"<name>
 ``"ratio_max/max"``). Values are detached 0-d fp32 tensors. ``mean`` metrics are means over
 the local micro-batch; :func:`merge_metrics` averages them with equal weight per micro-batch
 (exact only for equal token counts). The trainer instead uses
-``reco_megatron.megatron.engine_metrics.reduce_metrics``, which weights ``mean`` metrics by
+``reco_megatron.megatron.step.metrics.reduce_metrics``, which weights ``mean`` metrics by
 each micro-batch's token count and all-reduces over data-parallel ranks, so its numbers do not
 depend on the split. Quantile metrics (``p50``, ``p99``) reduce by ``mean`` as an
 approximation; their ``max`` is exact.
@@ -31,7 +31,7 @@ def reduction_of(key: str) -> str:
 def merge_metrics(parts: Iterable[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Combine metric dicts of several micro-batches by each key's reduction (single process,
     ``mean`` unweighted). The token-weighted, data-parallel version the trainer uses is
-    ``reco_megatron.megatron.engine_metrics.reduce_metrics``.
+    ``reco_megatron.megatron.step.metrics.reduce_metrics``.
     """
     collected: dict[str, list[torch.Tensor]] = {}
     for part in parts:

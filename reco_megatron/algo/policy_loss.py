@@ -6,6 +6,8 @@ with ``logp [B, T]`` requiring grad. The formulas are in ``docs/loss.md``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from reco_megatron.algo.config import AGGREGATIONS, LossConfig
@@ -161,84 +163,17 @@ def policy_loss(
         (:mod:`reco_megatron.algo.metrics`).
     """
     _check_inputs(logp, logp_old, advantages, mask, weights, ref_logp)
-    if cfg.response_weight != "none" and weights is None:
-        raise ValueError(
-            f"cfg.response_weight={cfg.response_weight!r} needs weights= [B]: compute them with "
-            "response_weights(logp_old, mask, group_size, mode) on complete groups before "
-            "splitting the batch, or set response_weight='none'"
-        )
-    if cfg.entropy_coef > 0 and stats is None:
-        raise ValueError(
-            f"entropy_coef={cfg.entropy_coef} needs stats= (TokenStats of the current policy, "
-            "with entropy); pass it or set entropy_coef=0"
-        )
-    if cfg.kl_coef > 0 and ref_logp is None:
-        raise ValueError(
-            f"kl_coef={cfg.kl_coef} needs ref_logp= [B, T] from the reference policy; pass it "
-            "or set kl_coef=0"
-        )
-    if cfg.tis_cap is not None and rollout_logp is None:
-        raise ValueError(
-            f"tis_cap={cfg.tis_cap} needs rollout_logp= [B, T] (the inference engine's "
-            "log-probs); pass it or set tis_cap=None"
-        )
-    if cfg.token_ratio == "categorical" and (stats is None or stats_old is None):
-        raise ValueError(
-            "token_ratio='categorical' needs stats= and stats_old= (TokenStats with sum_p2 of "
-            "the current and the old policy)"
-        )
-
-    maskb = mask.bool()
-    zeros = torch.zeros_like(logp)
-    # Padded positions may hold -inf/NaN: replace them before any arithmetic so that neither
-    # the forward value nor the gradient sees them.
-    lp = torch.where(maskb, logp, zeros)
-    lp_old = torch.where(maskb, logp_old.detach().to(logp.dtype), zeros)
-    adv = advantages.detach().to(logp.dtype).unsqueeze(1)
-    ratio = importance_ratio(lp, lp_old, cfg.max_log_ratio)
-    r = ratio.detach()
-    clip_high = maskb & (adv > 0) & (r > 1.0 + cfg.eps_high)
-    clip_low = maskb & (adv < 0) & (r < 1.0 - cfg.eps_low)
-    # Dual clip: where ppo_clip's loss is capped at -c A (A < 0, r > c) it has no gradient;
-    # reco and cispo drop the same tokens.
-    clip_dual = torch.zeros_like(maskb)
-    if cfg.dual_clip_c is not None:
-        clip_dual = maskb & (adv < 0) & (r > cfg.dual_clip_c)
-
+    _check_requirements(cfg, weights, stats, stats_old, ref_logp, rollout_logp)
+    t = _tokens(logp, logp_old, advantages, mask, cfg)
+    maskb, zeros, lp, lp_old, r = t.mask, t.zeros, t.lp, t.lp_old, t.r
     c_raw: torch.Tensor | None = None
     clip_c = torch.zeros_like(maskb)
     if cfg.objective == "ppo_clip":
-        surr = -adv * ratio
-        surr_clipped = -adv * ratio.clamp(1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
-        per_token = torch.maximum(surr, surr_clipped)
-        if cfg.dual_clip_c is not None:
-            dual = torch.minimum(per_token, -adv * cfg.dual_clip_c)
-            per_token = torch.where(adv < 0, dual, per_token)
+        per_token = _ppo_clip_surrogate(t, cfg)
     elif cfg.objective == "reco":
-        sum_p2 = None if stats is None else torch.where(maskb, stats.sum_p2, zeros)
-        sum_p2_old = None if stats_old is None else torch.where(maskb, stats_old.sum_p2, zeros)
-        tr = token_ratio(
-            lp,
-            lp_old,
-            cfg.token_ratio,
-            sum_p2=sum_p2,
-            sum_p2_old=sum_p2_old,
-            prob_eps=cfg.prob_eps,
-            c_max=cfg.c_max,
-            max_log_ratio=cfg.max_log_ratio,
-        )
-        c = tr.ratio.detach()
-        c_raw = tr.raw
-        bound = cfg.c_trust_bound
-        if bound is not None:
-            clip_c = maskb & (c_raw > bound) & (adv * c_growth(lp, cfg.token_ratio, sum_p2) > 0)
-            c = c.clamp(max=bound)
-        dropped = clip_high | clip_low | clip_dual | clip_c
-        per_token = torch.where(dropped, zeros, -(c * adv) * lp)
+        per_token, c_raw, clip_c = _reco_surrogate(t, cfg, stats, stats_old)
     else:
-        lo = 0.0 if cfg.cispo_eps_low is None else 1.0 - cfg.cispo_eps_low
-        coef = r.clamp(min=lo, max=1.0 + cfg.cispo_eps_high)
-        per_token = torch.where(clip_dual, zeros, -(coef * adv) * lp)
+        per_token = _cispo_surrogate(t, cfg)
     if weights is not None:
         w = weights.detach().to(logp.dtype)
         per_token = per_token * (w.unsqueeze(1) if w.dim() == 1 else w)
@@ -275,9 +210,9 @@ def policy_loss(
     )
 
     with torch.no_grad():
-        metrics = _metrics(maskb, r, lp, lp_old, clip_low, clip_high, c_raw, weights, kl_tok)
+        metrics = _metrics(maskb, r, lp, lp_old, t.clip_low, t.clip_high, c_raw, weights, kl_tok)
         if cfg.dual_clip_c is not None:
-            metrics["clip_frac_dual/mean"] = masked_mean(clip_dual.float(), maskb)
+            metrics["clip_frac_dual/mean"] = masked_mean(t.clip_dual.float(), maskb)
         if cfg.c_trust_bound is not None:
             metrics["clip_frac_c/mean"] = masked_mean(clip_c.float(), maskb)
         if entropy is not None:
@@ -289,6 +224,151 @@ def policy_loss(
             )
         metrics["loss/sum"] = loss.detach().float()
     return loss, metrics
+
+
+def _check_requirements(
+    cfg: LossConfig,
+    weights: torch.Tensor | None,
+    stats: TokenStats | None,
+    stats_old: TokenStats | None,
+    ref_logp: torch.Tensor | None,
+    rollout_logp: torch.Tensor | None,
+) -> None:
+    """Raise naming the missing input when ``cfg`` needs one the caller did not pass."""
+    if cfg.response_weight != "none" and weights is None:
+        raise ValueError(
+            f"cfg.response_weight={cfg.response_weight!r} needs weights= [B]: compute them with "
+            "response_weights(logp_old, mask, group_size, mode) on complete groups before "
+            "splitting the batch, or set response_weight='none'"
+        )
+    if cfg.entropy_coef > 0 and stats is None:
+        raise ValueError(
+            f"entropy_coef={cfg.entropy_coef} needs stats= (TokenStats of the current policy, "
+            "with entropy); pass it or set entropy_coef=0"
+        )
+    if cfg.kl_coef > 0 and ref_logp is None:
+        raise ValueError(
+            f"kl_coef={cfg.kl_coef} needs ref_logp= [B, T] from the reference policy; pass it "
+            "or set kl_coef=0"
+        )
+    if cfg.tis_cap is not None and rollout_logp is None:
+        raise ValueError(
+            f"tis_cap={cfg.tis_cap} needs rollout_logp= [B, T] (the inference engine's "
+            "log-probs); pass it or set tis_cap=None"
+        )
+    if cfg.token_ratio == "categorical" and (stats is None or stats_old is None):
+        raise ValueError(
+            "token_ratio='categorical' needs stats= and stats_old= (TokenStats with sum_p2 of "
+            "the current and the old policy)"
+        )
+
+
+@dataclass(frozen=True)
+class _Tokens:
+    """What the three surrogates share, ``[B, T]`` zeroed at padding (``adv``: ``[B, 1]``)."""
+
+    mask: torch.Tensor
+    zeros: torch.Tensor
+    lp: torch.Tensor
+    lp_old: torch.Tensor
+    adv: torch.Tensor
+    ratio: torch.Tensor
+    """``r = p / p_old`` with its gradient; :attr:`r` is the same detached."""
+    r: torch.Tensor
+    clip_high: torch.Tensor
+    """The PPO clip fires upwards: A > 0 and r > 1 + eps_high."""
+    clip_low: torch.Tensor
+    """The PPO clip fires downwards: A < 0 and r < 1 - eps_low."""
+    clip_dual: torch.Tensor
+    """The dual clip fires: A < 0 and r > dual_clip_c (all False when it is off)."""
+
+
+def _tokens(
+    logp: torch.Tensor,
+    logp_old: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    cfg: LossConfig,
+) -> _Tokens:
+    """The masked inputs, the importance ratio and the PPO clip masks of every surrogate."""
+    maskb = mask.bool()
+    zeros = torch.zeros_like(logp)
+    # Padded positions may hold -inf/NaN: replace them before any arithmetic so that neither
+    # the forward value nor the gradient sees them.
+    lp = torch.where(maskb, logp, zeros)
+    lp_old = torch.where(maskb, logp_old.detach().to(logp.dtype), zeros)
+    adv = advantages.detach().to(logp.dtype).unsqueeze(1)
+    ratio = importance_ratio(lp, lp_old, cfg.max_log_ratio)
+    r = ratio.detach()
+    clip_high = maskb & (adv > 0) & (r > 1.0 + cfg.eps_high)
+    clip_low = maskb & (adv < 0) & (r < 1.0 - cfg.eps_low)
+    # Dual clip: where ppo_clip's loss is capped at -c A (A < 0, r > c) it has no gradient;
+    # reco and cispo drop the same tokens.
+    clip_dual = torch.zeros_like(maskb)
+    if cfg.dual_clip_c is not None:
+        clip_dual = maskb & (adv < 0) & (r > cfg.dual_clip_c)
+    return _Tokens(
+        mask=maskb,
+        zeros=zeros,
+        lp=lp,
+        lp_old=lp_old,
+        adv=adv,
+        ratio=ratio,
+        r=r,
+        clip_high=clip_high,
+        clip_low=clip_low,
+        clip_dual=clip_dual,
+    )
+
+
+def _ppo_clip_surrogate(t: _Tokens, cfg: LossConfig) -> torch.Tensor:
+    """``max(-r A, -clip(r, 1-eps_low, 1+eps_high) A)``, capped at ``-dual_clip_c A`` for
+    A < 0 when the dual clip is set; ``[B, T]``."""
+    adv, ratio = t.adv, t.ratio
+    surr = -adv * ratio
+    surr_clipped = -adv * ratio.clamp(1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
+    per_token = torch.maximum(surr, surr_clipped)
+    if cfg.dual_clip_c is not None:
+        dual = torch.minimum(per_token, -adv * cfg.dual_clip_c)
+        per_token = torch.where(adv < 0, dual, per_token)
+    return per_token
+
+
+def _reco_surrogate(
+    t: _Tokens, cfg: LossConfig, stats: TokenStats | None, stats_old: TokenStats | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``-sg(c) A log p`` where no clip fires, 0 elsewhere; returns ``(per_token, c_raw,
+    clip_c)``, all ``[B, T]``: the raw token ratio (metrics) and where the trust region on c
+    dropped a token."""
+    maskb, zeros, lp, adv = t.mask, t.zeros, t.lp, t.adv
+    sum_p2 = None if stats is None else torch.where(maskb, stats.sum_p2, zeros)
+    sum_p2_old = None if stats_old is None else torch.where(maskb, stats_old.sum_p2, zeros)
+    tr = token_ratio(
+        lp,
+        t.lp_old,
+        cfg.token_ratio,
+        sum_p2=sum_p2,
+        sum_p2_old=sum_p2_old,
+        prob_eps=cfg.prob_eps,
+        c_max=cfg.c_max,
+        max_log_ratio=cfg.max_log_ratio,
+    )
+    c = tr.ratio.detach()
+    clip_c = torch.zeros_like(maskb)
+    bound = cfg.c_trust_bound
+    if bound is not None:
+        clip_c = maskb & (tr.raw > bound) & (adv * c_growth(lp, cfg.token_ratio, sum_p2) > 0)
+        c = c.clamp(max=bound)
+    dropped = t.clip_high | t.clip_low | t.clip_dual | clip_c
+    return torch.where(dropped, zeros, -(c * adv) * lp), tr.raw, clip_c
+
+
+def _cispo_surrogate(t: _Tokens, cfg: LossConfig) -> torch.Tensor:
+    """``-sg(clip(r, 1-cispo_eps_low, 1+cispo_eps_high)) A log p``, 0 where the dual clip
+    fires; ``[B, T]``."""
+    lo = 0.0 if cfg.cispo_eps_low is None else 1.0 - cfg.cispo_eps_low
+    coef = t.r.clamp(min=lo, max=1.0 + cfg.cispo_eps_high)
+    return torch.where(t.clip_dual, t.zeros, -(coef * t.adv) * t.lp)
 
 
 def _metrics(

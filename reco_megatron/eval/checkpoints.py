@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 from reco_megatron.rollout.base import RolloutEngine
+from reco_megatron.rollout.engines import STANDALONE_GPU_MEMORY_UTILIZATION, EngineName
+from reco_megatron.rollout.engines import build_engine as build_rollout_engine
 from reco_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)
-
-EngineName = Literal["embedded", "vllm"]
 
 
 class CheckpointNotFoundError(FileNotFoundError):
@@ -66,16 +66,6 @@ def as_hf_dir(path: str | Path, cache_dir: str | Path) -> Path:
     return export_checkpoint(step_dir, out, overwrite=True)
 
 
-def _load_safetensors(hf_dir: Path):
-    from safetensors.torch import load_file
-
-    files = sorted(hf_dir.glob("*.safetensors"))
-    if not files:
-        raise CheckpointNotFoundError(f"{hf_dir} has no *.safetensors weights")
-    for file in files:
-        yield from load_file(str(file)).items()
-
-
 def build_engine(
     hf_dir: str | Path,
     *,
@@ -86,37 +76,24 @@ def build_engine(
     device: str = "cpu",
     max_batch_size: int = 64,
     tensor_parallel_size: int = 1,
-    gpu_memory_utilization: float = 0.85,
+    gpu_memory_utilization: float = STANDALONE_GPU_MEMORY_UTILIZATION,
 ) -> RolloutEngine:
-    """A rollout engine loaded with the weights of the HF directory ``hf_dir``."""
+    """A rollout engine loaded with the weights of the HF directory ``hf_dir``
+    (:func:`reco_megatron.rollout.engines.build_engine`, the factory training uses too)."""
     hf_dir = Path(hf_dir)
     config: dict[str, Any] = json.loads((hf_dir / "config.json").read_text(encoding="utf-8"))
-    if engine == "embedded":
-        from reco_megatron.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
-
-        built = EmbeddedEngine(
-            config,
-            EmbeddedEngineConfig(
-                max_model_len=max_model_len,
-                seed=seed,
-                device=device,
-                eos_token_ids=eos_token_ids,
-                max_batch_size=max_batch_size,
-            ),
-        )
-        built.update_weights(_load_safetensors(hf_dir))
-        return built
-    if engine == "vllm":
-        from reco_megatron.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
-
-        return VLLMEngine(
-            VLLMEngineConfig(
-                model=str(hf_dir),
-                tensor_parallel_size=tensor_parallel_size,
-                max_model_len=max_model_len,
-                gpu_memory_utilization=gpu_memory_utilization,
-                load_format="auto",
-                seed=seed,
-            )
-        )
-    raise ValueError(f"engine must be 'embedded' or 'vllm', got {engine!r}")
+    if engine == "embedded" and not any(hf_dir.glob("*.safetensors")):
+        raise CheckpointNotFoundError(f"{hf_dir} has no *.safetensors weights")
+    return build_rollout_engine(
+        engine,
+        hf_config=config,
+        model_dir=hf_dir,
+        checkpoint=True,
+        max_model_len=max_model_len,
+        eos_token_ids=eos_token_ids,
+        seed=seed,
+        device=device,
+        max_batch_size=max_batch_size,
+        tensor_parallel_size=tensor_parallel_size,
+        gpu_memory_utilization=gpu_memory_utilization,
+    )

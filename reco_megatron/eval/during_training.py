@@ -32,7 +32,12 @@ logger = get_logger(__name__)
 
 @dataclass(kw_only=True)
 class EvalConfig:
-    """Periodic pass@k on held-out prompts (``eval`` section of the run config)."""
+    """Periodic pass@k on held-out prompts (``eval`` section of the run config).
+
+    Its sampling is the evaluation protocol's own (``temperature``, ``top_p``), not the
+    rollout's; only ``max_new_tokens: 0`` inherits ``rollout.max_new_tokens``, and prompts are
+    kept up to ``rollout.max_prompt_len`` (``docs/configuration.md``, "One key per setting").
+    """
 
     interval: int = 0
     """Steps between evaluations (0 disables; when on, step 0 and the last step are included)."""

@@ -3,7 +3,7 @@
 Two rules, decided here once instead of ``torch.cuda.is_available()`` checks scattered over
 the code:
 
-* **Compute.** :class:`reco_megatron.megatron.engine.ReCoEngine` owns one device,
+* **Compute.** :class:`reco_megatron.megatron.step.engine.ReCoEngine` owns one device,
   ``engine.device`` (:func:`compute_device` unless given): its model, optimizer state and every
   tensor of a forward pass live there. The trainer builds batches on the CPU and hands them to
   the engine as they are; the engine moves them (``RolloutBatch.to(engine.device)``, at each

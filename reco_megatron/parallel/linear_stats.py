@@ -74,35 +74,26 @@ class Layout:
             grad_full = grad_full.narrow(0, rank * n_local, n_local).clone()
         return grad_full
 
+    def shard(self, n_tokens: int) -> passes.Shard:
+        """The statistics' view of this shard for a block of ``n_tokens`` (one chunk)."""
+        return passes.Shard(
+            implementation=self.implementation,
+            vocab_start=self.vocab_start,
+            valid_local=self.valid,
+            vocab_size=self.vocab_size,
+            chunk=n_tokens,
+            tp_group=self.group,
+            distributed=self.tp_size > 1,
+        )
+
     def block_statistics(self, logits: torch.Tensor, target: torch.Tensor):
         """``logprob, entropy, sum_p2, lse`` of one block's logits ``[b, V/TP]``."""
-        return passes.statistics(
-            self.implementation,
-            logits,
-            target,
-            self.vocab_start,
-            self.valid,
-            self.vocab_size,
-            logits.shape[0],
-            self.group,
-            self.tp_size > 1,
-        )
+        return passes.statistics(logits, target, self.shard(logits.shape[0]))
 
     def block_gradient(self, logits, target, lse, entropy, sum_p2, grads) -> torch.Tensor:
         """``dz`` of one block, written over ``logits`` (a temporary)."""
-        return passes.gradient(
-            self.implementation,
-            logits,
-            target,
-            self.vocab_start,
-            self.valid,
-            lse,
-            entropy,
-            sum_p2,
-            grads,
-            True,
-            logits.shape[0],
-        )
+        shard = self.shard(logits.shape[0])
+        return passes.gradient(logits, target, lse, entropy, sum_p2, grads, shard, inplace=True)
 
     def blocks(self, n_tokens: int):
         """Slices of ``block`` tokens covering ``[0, n_tokens)``."""

@@ -54,9 +54,9 @@ DEFAULT_CHUNK_ELEMENTS = 1 << 22
 """Default chunk of the eager/compiled paths on CPU: this many logits (16 MiB of fp32 per
 temporary) are upcast at a time."""
 DEFAULT_CHUNK_ELEMENTS_CUDA = 1 << 25
-"""Default chunk on CUDA (256 tokens at V = 128K): a GPU measurement (issue 14) found the CPU
-default launch-bound there (50x from the bandwidth bound) and 2^25 within 1.3x of one chunk
-at 1.09x peak memory. The ``triton`` implementation (the CUDA default) does not chunk."""
+"""Default chunk on CUDA (256 tokens at V = 128K): on one H200 the CPU
+default is launch-bound (50x from the bandwidth bound) and 2^25 within 1.3x of one chunk at
+1.09x peak memory. The ``triton`` implementation (the CUDA default) does not chunk."""
 
 
 def _group_size_and_rank(tp_group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -82,28 +82,12 @@ class _VocabParallelStats(torch.autograd.Function):
         ctx,
         logits: torch.Tensor,  # [N, V_local]
         target: torch.Tensor,  # [N] global ids, < 0 ignored
-        vocab_start: int,
-        valid_local: int,
-        vocab_size: int,
-        chunk: int,
-        tp_group: dist.ProcessGroup | None,
-        distributed: bool,
-        implementation: str,
+        shard: passes.Shard,
         inplace_backward: bool,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        logprob, entropy, sum_p2, lse = passes.statistics(
-            implementation,
-            logits,
-            target,
-            vocab_start,
-            valid_local,
-            vocab_size,
-            chunk,
-            tp_group,
-            distributed,
-        )
+        logprob, entropy, sum_p2, lse = passes.statistics(logits, target, shard)
         ctx.save_for_backward(logits, target, lse, entropy, sum_p2)
-        ctx.meta = (vocab_start, valid_local, chunk, implementation, inplace_backward)
+        ctx.meta = (shard, inplace_backward)
         ctx.set_materialize_grads(False)
         return logprob, entropy, sum_p2
 
@@ -114,22 +98,13 @@ class _VocabParallelStats(torch.autograd.Function):
         grad_entropy: torch.Tensor | None,
         grad_sum_p2: torch.Tensor | None,
     ):
-        vocab_start, valid_local, chunk, implementation, inplace = ctx.meta
+        shard, inplace = ctx.meta
         logits, target, lse, entropy, sum_p2 = ctx.saved_tensors
+        grads = (grad_logprob, grad_entropy, grad_sum_p2)
         grad_logits = passes.gradient(
-            implementation,
-            logits,
-            target,
-            vocab_start,
-            valid_local,
-            lse,
-            entropy,
-            sum_p2,
-            (grad_logprob, grad_entropy, grad_sum_p2),
-            inplace,
-            chunk,
+            logits, target, lse, entropy, sum_p2, grads, shard, inplace=inplace
         )
-        return grad_logits, *(None,) * 9
+        return grad_logits, None, None, None
 
 
 def vocab_parallel_stats(
@@ -220,17 +195,15 @@ def vocab_parallel_stats(
     # An expanded (stride-0) or otherwise self-overlapping input cannot take its gradient in
     # place: the gradient then goes to a new buffer (correct, one logits-sized allocation).
     inplace = inplace_backward and passes.can_overwrite(flat_logits)
-    logprob, entropy, sum_p2 = _VocabParallelStats.apply(
-        flat_logits,
-        flat_target,
-        vocab_start,
-        valid_local,
-        vocab_size,
-        _chunk_tokens(chunk_size, vocab_local, logits.device),
-        tp_group,
-        tp_size > 1,
-        resolved,
-        inplace,
+    shard = passes.Shard(
+        implementation=resolved,
+        vocab_start=vocab_start,
+        valid_local=valid_local,
+        vocab_size=vocab_size,
+        chunk=_chunk_tokens(chunk_size, vocab_local, logits.device),
+        tp_group=tp_group,
+        distributed=tp_size > 1,
     )
+    logprob, entropy, sum_p2 = _VocabParallelStats.apply(flat_logits, flat_target, shard, inplace)
     shape = target.shape
     return TokenStats(logprob.view(shape), entropy.view(shape), sum_p2.view(shape))

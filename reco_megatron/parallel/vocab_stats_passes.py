@@ -16,6 +16,7 @@ tensor parallelism, three forward launches with it).
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -127,60 +128,71 @@ def _triton_statistics(logits, target, vocab_start, valid_local, vocab_size, tp_
     return tk.finish(part, logits_max, target)
 
 
+@dataclass(frozen=True)
+class Shard:
+    """This rank's slice of the vocabulary and how its statistics are computed."""
+
+    implementation: str
+    """``eager``, ``compiled`` or ``triton`` (resolved)."""
+    vocab_start: int
+    """Global id of local column 0."""
+    valid_local: int
+    """Real (not padding) columns of the shard."""
+    vocab_size: int
+    """The true vocabulary size."""
+    chunk: int
+    """Tokens per eager/compiled chunk."""
+    tp_group: dist.ProcessGroup | None
+    """The group the vocabulary is split over (None: no tensor parallelism)."""
+    distributed: bool
+    """Whether that group has more than one rank (the all-reduces run)."""
+
+
 def statistics(
-    implementation: str,
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    vocab_start: int,
-    valid_local: int,
-    vocab_size: int,
-    chunk: int,
-    tp_group: dist.ProcessGroup | None,
-    distributed: bool,
+    logits: torch.Tensor, target: torch.Tensor, shard: Shard
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``logprob, entropy, sum_p2, lse`` ``[N]`` of this shard's rows (no autograd).
 
     Args:
-        implementation: ``eager``, ``compiled`` or ``triton`` (resolved).
         logits: ``[N, V_local]`` (last dimension contiguous for ``triton``).
         target: ``[N]`` global ids (int64; int32 also for ``triton``), ``< 0`` ignored.
-        vocab_start / valid_local: global id of local column 0 / real columns of the shard.
-        vocab_size: the true vocabulary size; chunk: tokens per eager/compiled chunk.
-        tp_group / distributed: the group the vocabulary is split over / whether it is > 1.
+        shard: where the columns sit in the vocabulary and how to reduce over it.
     """
-    if implementation == "triton":
+    s = shard
+    if s.implementation == "triton":
         return _triton_statistics(
-            logits, target, vocab_start, valid_local, vocab_size, tp_group, distributed
+            logits, target, s.vocab_start, s.valid_local, s.vocab_size, s.tp_group, s.distributed
         )
     return _eager_statistics(
-        implementation,
+        s.implementation,
         logits,
         target,
-        vocab_start,
-        valid_local,
-        vocab_size,
-        chunk,
-        tp_group,
-        distributed,
+        s.vocab_start,
+        s.valid_local,
+        s.vocab_size,
+        s.chunk,
+        s.tp_group,
+        s.distributed,
     )
 
 
 def gradient(
-    implementation: str,
     logits: torch.Tensor,
     target: torch.Tensor,
-    vocab_start: int,
-    valid_local: int,
     lse: torch.Tensor,
     entropy: torch.Tensor,
     sum_p2: torch.Tensor,
     grads: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
+    shard: Shard,
+    *,
     inplace: bool,
-    chunk: int,
 ) -> torch.Tensor:
     """``d loss / d logits [N, V_local]`` in the logits' dtype (padded columns 0) from the
-    upstream gradients ``(g_logprob, g_entropy, g_sum_p2)`` (``None``: no term). With
-    ``inplace`` it overwrites ``logits`` (whose elements must not share memory)."""
+    upstream gradients ``(g_logprob, g_entropy, g_sum_p2)`` (``None``: no term; each ``[N]``,
+    like ``lse``, ``entropy`` and ``sum_p2``). With ``inplace`` it overwrites ``logits``
+    (whose elements must not share memory). No collective."""
+    implementation, chunk = shard.implementation, shard.chunk
+    vocab_start, valid_local = shard.vocab_start, shard.valid_local
     if all(g is None for g in grads):
         return logits.detach().zero_() if inplace else torch.zeros_like(logits)
     if implementation == "triton":

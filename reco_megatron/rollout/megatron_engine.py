@@ -1,7 +1,7 @@
 """The ``megatron`` rollout engine: our protocol on top of a decoder over the trainer's model.
 
 The decoding itself (megatron-core forward passes with the static KV cache, at the trainer's
-TP/PP layout) is :class:`reco_megatron.megatron.rollout_engine.MegatronDecoder`; this layer never
+TP/PP layout) is :class:`reco_megatron.megatron.decoding.decoder.MegatronDecoder`; this layer never
 imports megatron and takes any object with the :class:`ModelDecoder` shape. What lives here is
 what the protocol promises and the embedded engine already does, reused as is: request
 validation, one random stream per seed drawn up front (:func:`draw_noise`), prompts grouped by
@@ -41,7 +41,7 @@ logger = get_logger(__name__)
 
 
 class DecodedRow(Protocol):
-    """One decoded row (:class:`reco_megatron.megatron.rollout_engine.Decoded`)."""
+    """One decoded row (:class:`reco_megatron.megatron.decoding.decoder.Decoded`)."""
 
     token_ids: list[int]
     logprobs: list[float]

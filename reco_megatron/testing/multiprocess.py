@@ -90,7 +90,7 @@ def _worker(
     finally:
         try:
             if "megatron.core" in sys.modules:
-                from reco_megatron.megatron.checkpoint.megatron_state import shutdown_async_writer
+                from reco_megatron.megatron import shutdown_async_writer
 
                 shutdown_async_writer()
             import torch.distributed as dist

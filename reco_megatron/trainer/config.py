@@ -8,16 +8,13 @@ with a suggestion; every value is type-checked). Scaling a run from 8B to 70B ch
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from reco_megatron.algo import LossConfig
 from reco_megatron.data.dataset import DatasetConfig
 from reco_megatron.eval.during_training import EvalConfig
-from reco_megatron.megatron.distributed import ParallelConfig
-from reco_megatron.megatron.engine import UpdateConfig
-from reco_megatron.megatron.model import ModelConfig
-from reco_megatron.megatron.optimizer import OptimConfig
+from reco_megatron.megatron import ModelConfig, OptimConfig, ParallelConfig, UpdateConfig
 from reco_megatron.rewards.pool import RewardPoolConfig
 from reco_megatron.rollout.vllm_requests import VLLM_MAX_TEMPERATURE, VLLM_MIN_TEMPERATURE
 from reco_megatron.trainer import loggers
@@ -140,7 +137,9 @@ class DataConfig:
     template: str = "{prompt}\n"
     """Prompt template when the tokenizer has no chat template."""
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
-    """Field names and bad-row policy of the prompt files."""
+    """Field names and bad-row policy of the prompt files. The longest prompt kept is
+    ``rollout.max_prompt_len`` (:meth:`TrainConfig.prompt_dataset`): leave
+    ``data.dataset.max_prompt_len`` unset."""
     countdown: CountdownConfig = field(default_factory=CountdownConfig)
     """The synthetic task used when ``train_path`` is empty (and by the SFT warm-up)."""
 
@@ -260,7 +259,7 @@ class TrainConfig:
     """Architecture (Llama or Qwen2 family)."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """TP / PP / CP / DP layout and micro-batch size."""
-    loss: LossConfig = field(default_factory=lambda: LossConfig.preset("reco", kl_coef=0.0))
+    loss: LossConfig = field(default_factory=LossConfig)
     """The objective (ReCo by default; GRPO, DAPO, Dr.GRPO, CISPO via presets)."""
     optimizer: OptimConfig = field(default_factory=OptimConfig)
     """Adam and the learning-rate schedule."""
@@ -292,6 +291,13 @@ class TrainConfig:
                 f"rollout.prompts_per_step={total} must be divisible by "
                 f"update.minibatches_per_rollout={n} (each mini-batch holds whole groups)"
             )
+        own = self.data.dataset.max_prompt_len
+        if own is not None and own != self.rollout.max_prompt_len:
+            raise ValueError(
+                f"data.dataset.max_prompt_len={own} differs from rollout.max_prompt_len="
+                f"{self.rollout.max_prompt_len}: the trainer keeps prompts up to "
+                "rollout.max_prompt_len; remove data.dataset.max_prompt_len"
+            )
         need = self.rollout.max_prompt_len + self.rollout.max_new_tokens
         if need > self.model.max_position_embeddings:
             raise ValueError(
@@ -302,6 +308,11 @@ class TrainConfig:
         if self.rollout.engine == "megatron":
             self._check_megatron_rollout()
         self._check_routing_replay()
+
+    def prompt_dataset(self) -> DatasetConfig:
+        """How the trainer reads its prompt files: ``data.dataset`` with the prompt budget of
+        the rollout (``rollout.max_prompt_len``, the one key for it)."""
+        return replace(self.data.dataset, max_prompt_len=self.rollout.max_prompt_len)
 
     def _check_routing_replay(self) -> None:
         """Routing replay needs an MoE model and an engine that reports its routing."""

@@ -265,7 +265,7 @@ class ResumeCheck:
     def _latest_state(self) -> tuple[str | None, dict[str, Any] | None]:
         """Name and trainer state of the checkpoint ``latest`` names (rank 0; plain JSON),
         or ``(None, None)`` when there is none or it cannot be read (the resume says why)."""
-        from reco_megatron.megatron.checkpoint import CheckpointError, latest_checkpoint, read_meta
+        from reco_megatron.megatron import CheckpointError, latest_checkpoint, read_meta
 
         if self.rank != 0:
             return None, None
@@ -276,7 +276,7 @@ class ResumeCheck:
             return None, None
 
     def _check(self, name: str | None, state: dict[str, Any] | None) -> None:
-        from reco_megatron.megatron.checkpoint.collective import from_rank0
+        from reco_megatron.megatron import from_rank0
 
         verdict: tuple[str, Any] | None = None
         if self.rank == 0 and name is not None and state is not None:

@@ -22,23 +22,22 @@ from reco_megatron.config import dump_config
 from reco_megatron.config.dump import config_to_dict
 from reco_megatron.data.chat import PromptFormatter
 from reco_megatron.data.sampler import PromptSampler
-from reco_megatron.megatron.batch import data_parallel_groups
-from reco_megatron.megatron.checkpoint import (
+from reco_megatron.megatron import (
     CheckpointSpaceError,
-    latest_checkpoint,
-    load_checkpoint,
+    ReCoEngine,
+    collective_device,
+    data_parallel_groups,
+    initialize_parallel,
+    rank_layout,
     save_checkpoint,
     sft_checkpoint_name,
 )
-from reco_megatron.megatron.checkpoint.resume import resume_latest
-from reco_megatron.megatron.device import collective_device
-from reco_megatron.megatron.distributed import initialize_parallel, rank_layout
-from reco_megatron.megatron.engine import ReCoEngine
 from reco_megatron.rewards.pool import RewardPool
 from reco_megatron.trainer import reward_health, setup
 from reco_megatron.trainer.config import TrainConfig
 from reco_megatron.trainer.config_history import CONFIG_HEADER, ResumeCheck
 from reco_megatron.trainer.guards import DeadRunGuard, StabilityGuard, unparsable_count
+from reco_megatron.trainer.initialise import initialise_weights
 from reco_megatron.trainer.metrics_writer import (
     MetricsWriter,
     plot_training_curves,
@@ -48,12 +47,13 @@ from reco_megatron.trainer.preflight import preflight
 from reco_megatron.trainer.progress import announce_startup
 from reco_megatron.trainer.rollout_agreement import agree_on_completions
 from reco_megatron.trainer.rollout_batch import build_rollout_batch
+from reco_megatron.trainer.rollout_engines import build_rollout_engine
 from reco_megatron.trainer.run_dir import take_run_directory
 from reco_megatron.trainer.run_lock import RunLock
 from reco_megatron.trainer.sft_warmup import run_warmup
 from reco_megatron.trainer.step_metrics import global_row, rollout_counters
 from reco_megatron.trainer.stop_signals import EXIT_RESUMABLE, StopSignals, stop_here
-from reco_megatron.trainer.weight_sync import build_rollout_engine, sync_weights
+from reco_megatron.trainer.weight_sync import sync_weights
 from reco_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -103,8 +103,7 @@ class Trainer:
                 self.out / "data", cfg.data.countdown, cfg.trainer.seed
             )
             dist.barrier()
-            cfg.data.dataset.max_prompt_len = cfg.rollout.max_prompt_len
-            checked.dataset = setup.load_prompts(train_path, cfg.data.dataset, self.tokenizer)
+            checked.dataset = setup.load_prompts(train_path, cfg.prompt_dataset(), self.tokenizer)
         self.dataset = checked.dataset
         self.formatter = PromptFormatter(tokenizer=self.tokenizer, template=cfg.data.template)
         self.sampler = PromptSampler(
@@ -129,8 +128,6 @@ class Trainer:
             cfg, self.tokenizer, self.engine.device, policy=self.engine
         )
         self.rewards = RewardPool(cfg.reward) if self.layout.first_of_replica else None
-        self.step = 0
-        self.sft_from: int | None = None  # the SFT step to continue from, None: no warm-up
         self.unsaved_progress = False  # trained since the last checkpoint (or the start)
         self.guard = StabilityGuard(cfg.stability, c_max=cfg.loss.c_max)
         ck = cfg.checkpoint
@@ -141,13 +138,31 @@ class Trainer:
             save_interval=ck.save_interval,
             keep_last=ck.keep_last,
         )
-        loaded = self._initialise_weights()
+        start = initialise_weights(
+            cfg,
+            self.engine,
+            self.ckpt_root,
+            self.resume,
+            self.sampler,
+            self.rollout,
+            self.converter,
+        )
+        self.step = start.step
+        self.sft_from = start.sft_from  # the SFT step to continue from, None: no warm-up
+        if self.sft_from is None:
+            sync_weights(self.engine, self.rollout, cfg.model, self.converter)
         if self.rank == 0:
-            self.resume.record(self.step, loaded)
+            self.resume.record(self.step, start.resumed)
             dump_config(cfg, self.out / "config.yaml", header=CONFIG_HEADER)
             for name in ("metrics.jsonl", "eval.jsonl"):  # rows after the resumed step are redone
                 truncate_jsonl(self.out / name, self.step)
-        self.coverage = self._coverage_evaluator()
+        self.coverage = setup.coverage_evaluator(
+            cfg,
+            self.out,
+            self.tokenizer,
+            self.formatter,
+            here=self.rank == 0 and self.rewards is not None,
+        )
         self.writer = (
             MetricsWriter(
                 self.out,
@@ -168,39 +183,6 @@ class Trainer:
     @property
     def ckpt_root(self) -> Path:
         return self.out / "checkpoints"
-
-    def _initialise_weights(self) -> str | None:
-        """Resume from ``latest`` (the config diff was checked before), else initialise from
-        ``init_megatron`` / ``init_hf``; returns the checkpoint resumed from."""
-        cfg = self.cfg.checkpoint
-        resumed = (
-            resume_latest(self.ckpt_root, self.engine, on_damaged=cfg.on_damaged)
-            if cfg.resume
-            else None
-        )
-        if resumed is not None:
-            latest, state = resumed
-            self.resume.check_loaded(latest.name, state)  # a fallback loaded an older one
-            self.step = int(state["step"])
-            self.sampler.load_state_dict(state["sampler"])
-            if state.get("rollout") is not None:
-                self.rollout.load_state_dict(state["rollout"])
-            if state.get("phase") == "sft":
-                self.sft_from = int(state["sft_step"])
-            logger.info("resumed from %s at step %d", latest, self.step)
-        elif cfg.init_megatron:
-            load_checkpoint(
-                _resolve(cfg.init_megatron), self.engine, load_optimizer=False, load_rng=False
-            )
-        elif cfg.init_hf:
-            from reco_megatron.megatron.hf.converter import load_hf_into_engine
-
-            load_hf_into_engine(cfg.init_hf, self.engine, self.converter)
-        if resumed is None and self.cfg.sft.steps > 0:
-            self.sft_from = 0
-        if self.sft_from is None:
-            sync_weights(self.engine, self.rollout, self.cfg.model, self.converter)
-        return resumed[0].name if resumed is not None else None
 
     # ------------------------------------------------------------------ one step
     def _generate(self, indices: list[int]) -> tuple[list[list[int]], list[Any], list[str], bool]:
@@ -332,7 +314,7 @@ class Trainer:
         rl_start: float | None = None
         try:
             if self.sft_from is not None:
-                if run_warmup(self, self.sft_from):
+                if self._warm_up(self.sft_from):
                     return EXIT_RESUMABLE
                 self.sft_from = None
                 sync_weights(self.engine, self.rollout, cfg.model, self.converter)
@@ -345,7 +327,7 @@ class Trainer:
                     cfg.trainer.max_steps,
                 )
             self._evaluate_coverage()
-            if stop_here(self):  # a signal during start-up or the step-0 evaluation
+            if self._stop_here():  # a signal during start-up or the step-0 evaluation
                 return EXIT_RESUMABLE
             while self.step < cfg.trainer.max_steps:
                 row = self.train_step()
@@ -357,7 +339,7 @@ class Trainer:
                 interval = cfg.checkpoint.save_interval
                 if interval and self.step % interval == 0 and self.step < cfg.trainer.max_steps:
                     self.save()
-                if stop_here(self):
+                if self._stop_here():
                     return EXIT_RESUMABLE
             if not (self.ckpt_root / f"step_{self.step:08d}").exists():
                 self.save()
@@ -371,33 +353,28 @@ class Trainer:
             self.coverage.finish()
         return 0
 
-    # ------------------------------------------------------------------ coverage eval
-    def _coverage_evaluator(self) -> Any:
-        """The periodic pass@k evaluator on global rank 0 (None when off or elsewhere)."""
-        from reco_megatron.eval.during_training import CoverageEvaluator, held_out_path
-        from reco_megatron.rewards.registry import answer_key_spec, resolve_answer_key
+    def _stop_here(self) -> bool:
+        save = self.save if self.unsaved_progress else None
+        return stop_here(self.signals, step=self.step, save=save)
 
-        cfg = self.cfg
-        if not cfg.eval.interval:
-            return None
-        path = held_out_path(cfg.data.eval_path, self.out)
-        if path is None:  # checked on every rank, so no rank waits for a failed one
-            raise SystemExit(
-                "eval.interval is set but there is no held-out set: set data.eval_path"
-            )
-        if self.rank != 0 or self.rewards is None:
-            return None
-        return CoverageEvaluator(
-            cfg.eval,
-            path,
-            self.out,
+    def _warm_up(self, start: int) -> bool:
+        """The SFT warm-up from step ``start``; True when a stop signal ended it (saved)."""
+        self.unsaved_progress = True
+        warmup = run_warmup(
+            self.cfg,
+            self.engine,
             self.tokenizer,
-            self.formatter,
-            max_new_tokens=cfg.rollout.max_new_tokens,
-            max_prompt_len=cfg.rollout.max_prompt_len,
-            answer_key=resolve_answer_key(answer_key_spec(cfg.reward.reward)),
+            self.signals,
+            self.save,
+            start=start,
+            dp_rank=self.dp_rank,
+            dp_size=self.dp_size,
+            rank=self.rank,
         )
+        self.phases["sft"] = warmup.seconds
+        return warmup.stopped
 
+    # ------------------------------------------------------------------ coverage eval
     def _evaluate_coverage(self) -> None:
         """pass@k on the held-out prompts with the rollout engine's current weights (rank 0)."""
         if self.coverage is None or self.rewards is None:
@@ -412,7 +389,7 @@ class Trainer:
 
     def close(self, *, failed_start: bool = False) -> None:
         """Stop the workers and release the run directory (idempotent)."""
-        from reco_megatron.megatron.checkpoint.megatron_state import shutdown_async_writer
+        from reco_megatron.megatron import shutdown_async_writer
 
         if self.writer is not None:
             self.writer.close()
@@ -425,10 +402,3 @@ class Trainer:
             self.lock.release(failed_start=failed_start)
         if self._own_signals:
             self.signals.restore()
-
-
-def _resolve(path: str) -> Path:
-    """A checkpoint directory, or a root holding a ``latest`` pointer."""
-    p = Path(path)
-    latest = latest_checkpoint(p) if (p / "latest").exists() else None
-    return latest or p

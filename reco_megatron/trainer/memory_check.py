@@ -2,10 +2,10 @@
 
 For each layout of :data:`reco_megatron.trainer.memory.EXAMPLES` (or a config given on the
 command line) and each pipeline stage, :func:`compare` builds that rank with megatron-core on
-the meta device (:func:`reco_megatron.megatron.memory_census.measure_rank_state`: real model
+the meta device (:func:`reco_megatron.megatron.memory.census.measure_rank_state`: real model
 chunks, DDP gradient buffers, distributed-optimizer shards and Adam state, nothing allocated)
 and sets its weight, gradient and optimizer bytes beside
-:func:`reco_megatron.trainer.memory.stage_state`'s estimate::
+:func:`reco_megatron.megatron.memory.estimate.stage_state`'s estimate::
 
     python -m reco_megatron.trainer.memory_check                     # the examples' layouts
     python -m reco_megatron.trainer.memory_check my.yaml --dp 8     # a layout of your own
@@ -24,7 +24,8 @@ import json
 import sys
 from dataclasses import asdict, dataclass
 
-from reco_megatron.trainer.memory import EXAMPLES, GIB, ModelState, stage_state
+from reco_megatron.megatron import GIB, ModelState, stage_state
+from reco_megatron.trainer.memory import EXAMPLES
 
 TOLERANCE = 0.02
 """Largest relative difference between measured and estimated bytes that passes."""
@@ -53,7 +54,7 @@ def compare(layouts: list[tuple[str, str, int]], overrides: list[str] = ()) -> l
     """``(label, config path, DP size)`` per layout (each with the dotted ``overrides``) ->
     one :class:`StageCheck` per pipeline stage."""
     from reco_megatron.config import load_config
-    from reco_megatron.megatron.memory_census import measure_rank_state
+    from reco_megatron.megatron import measure_rank_state
     from reco_megatron.trainer.config import TrainConfig
 
     out = []
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     for c in bad:
         sys.stderr.write(
             f"{c.layout} stage {c.stage}: the estimate is off by {c.worst:.1%} "
-            f"(> {TOLERANCE:.0%}): update trainer/memory.py's stage_state\n"
+            f"(> {TOLERANCE:.0%}): update megatron/memory/estimate.py's stage_state\n"
         )
     return 1 if bad else 0
 

@@ -89,7 +89,7 @@ def _layout(cfg: TrainConfig, world: int, problems: list[str]) -> int:
 def _token_budget(cfg: TrainConfig, per_mini: int | None, problems: list[str]) -> None:
     """A token budget must hold the longest prompt + response, and a virtual pipeline needs
     a multiple of PP micro-batches, at most one per sequence."""
-    from reco_megatron.megatron.microbatching import length_multiple, round_up
+    from reco_megatron.megatron import length_multiple, round_up
 
     u, par, r = cfg.update, cfg.parallel, cfg.rollout
     budget = u.max_tokens_per_microbatch
@@ -197,9 +197,8 @@ def _data(cfg: TrainConfig, tokenizer: Tokenizer | None, problems: list[str]) ->
         return None
     if tokenizer is None:
         return None
-    d.dataset.max_prompt_len = cfg.rollout.max_prompt_len
     try:
-        return PromptDataset(Path(d.train_path), d.dataset, tokenizer=tokenizer)
+        return PromptDataset(Path(d.train_path), cfg.prompt_dataset(), tokenizer=tokenizer)
     except DatasetError as exc:
         problems.append(f"data.train_path: {exc}")
     return None
@@ -229,7 +228,7 @@ def _reward(spec: str, problems: list[str]) -> None:
 
 
 def _checkpoint(cfg: TrainConfig, problems: list[str]) -> None:
-    from reco_megatron.megatron.checkpoint import CheckpointError, latest_checkpoint, read_meta
+    from reco_megatron.megatron import CheckpointError, latest_checkpoint, read_meta
 
     c = cfg.checkpoint
     if c.init_hf:

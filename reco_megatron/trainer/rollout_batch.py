@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from reco_megatron.megatron.batch import RolloutBatch
+from reco_megatron.megatron import RolloutBatch
 
 
 def build_rollout_batch(

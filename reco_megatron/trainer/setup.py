@@ -6,17 +6,21 @@ import os
 import random
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from reco_megatron.config import ConfigError
+from reco_megatron.data.chat import PromptFormatter
 from reco_megatron.data.countdown import generate, write_splits
 from reco_megatron.data.dataset import PromptDataset
 from reco_megatron.data.tokenizer import Tokenizer
-from reco_megatron.megatron.batch import RolloutBatch
-from reco_megatron.megatron.checkpoint.resume import remove_partial_checkpoints
+from reco_megatron.megatron import RolloutBatch, remove_partial_checkpoints
 from reco_megatron.trainer.config import TrainConfig
 from reco_megatron.utils.logging import get_logger
+
+if TYPE_CHECKING:
+    from reco_megatron.eval.during_training import CoverageEvaluator
 
 logger = get_logger(__name__)
 
@@ -112,7 +116,7 @@ def sft_batches(
     """Countdown SFT data: prompt + ``"Answer: <expr>"`` + EOS, several solutions a problem.
 
     Every batch is built identically on every rank (seeded), so data-parallel ranks can take
-    their share with :func:`reco_megatron.megatron.batch.data_parallel_share`.
+    their share with :func:`reco_megatron.megatron.step.batch.data_parallel_share`.
     """
     rng = random.Random(seed)
     problems = generate(countdown.n_train, seed=seed, **countdown.generate_kwargs())
@@ -147,7 +151,7 @@ def sft_batches(
 
 def hf_converter(cfg: TrainConfig, *, on_gpu: bool) -> str:
     """Resolve ``checkpoint.hf_converter`` for this run, once, and log the choice and why."""
-    from reco_megatron.megatron.hf.converter import choose_converter
+    from reco_megatron.megatron import choose_converter
 
     par = cfg.parallel
     choice = choose_converter(
@@ -161,3 +165,31 @@ def hf_converter(cfg: TrainConfig, *, on_gpu: bool) -> str:
     )
     logger.info("HF weight mapping: %s (%s)", choice.name, choice.reason)
     return choice.name
+
+
+def coverage_evaluator(
+    cfg: TrainConfig, out: Path, tokenizer: Tokenizer, formatter: PromptFormatter, *, here: bool
+) -> CoverageEvaluator | None:
+    """The periodic pass@k evaluator (``eval.interval``) when ``here`` (global rank 0, which
+    scores rewards), else None; None too when the evaluation is off. Every rank calls it, so a
+    missing held-out set stops all of them (no rank waits for a failed one)."""
+    from reco_megatron.eval.during_training import CoverageEvaluator, held_out_path
+    from reco_megatron.rewards.registry import answer_key_spec, resolve_answer_key
+
+    if not cfg.eval.interval:
+        return None
+    path = held_out_path(cfg.data.eval_path, out)
+    if path is None:
+        raise SystemExit("eval.interval is set but there is no held-out set: set data.eval_path")
+    if not here:
+        return None
+    return CoverageEvaluator(
+        cfg.eval,
+        path,
+        out,
+        tokenizer,
+        formatter,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        max_prompt_len=cfg.rollout.max_prompt_len,
+        answer_key=resolve_answer_key(answer_key_spec(cfg.reward.reward)),
+    )

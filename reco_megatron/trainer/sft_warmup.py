@@ -12,29 +12,53 @@ the warm-up.
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
 
-from reco_megatron.megatron.batch import data_parallel_share
+from reco_megatron.data.tokenizer import Tokenizer
+from reco_megatron.megatron import ReCoEngine, data_parallel_share
 from reco_megatron.trainer import setup
+from reco_megatron.trainer.config import TrainConfig
 from reco_megatron.trainer.progress import sft_progress
-from reco_megatron.trainer.stop_signals import stop_agreed
+from reco_megatron.trainer.stop_signals import StopSignals, stop_agreed
 from reco_megatron.utils.logging import get_logger
 
-__all__ = ["run_warmup"]
+__all__ = ["Warmup", "run_warmup"]
 
 logger = get_logger(__name__)
 
 
-def run_warmup(trainer: Any, start: int) -> bool:
-    """SFT steps ``start + 1 .. sft.steps`` on ``trainer``'s engine, then ``step_00000000``.
+@dataclass(frozen=True)
+class Warmup:
+    """How a warm-up call ended."""
 
-    Returns True when a stop signal ended the warm-up early (its checkpoint is saved), False
-    when it completed. ``trainer``: the :class:`~reco_megatron.trainer.loop.Trainer` (its
-    config, tokenizer, engine, data-parallel rank, signals and ``save``)."""
-    cfg = trainer.cfg
+    stopped: bool
+    """A stop signal ended it early (its ``sft_<n>`` checkpoint is saved)."""
+    seconds: float
+    """Wall time of this call's SFT steps."""
+
+
+def run_warmup(
+    cfg: TrainConfig,
+    engine: ReCoEngine,
+    tokenizer: Tokenizer,
+    signals: StopSignals,
+    save: Callable[..., None],
+    *,
+    start: int,
+    dp_rank: int,
+    dp_size: int,
+    rank: int,
+) -> Warmup:
+    """SFT steps ``start + 1 .. sft.steps`` on ``engine``, then ``step_00000000``.
+
+    ``save(sft_step=n)`` writes the checkpoint ``sft_<n>`` when a stop signal arrives after
+    step ``n`` (then the warm-up returns), ``save()`` the ``step_00000000`` that ends it.
+    This data-parallel rank (``dp_rank`` of ``dp_size``) trains on its share of each batch;
+    global ``rank`` 0 shows the progress."""
     sft = cfg.sft
     batches = setup.sft_batches(
-        trainer.tokenizer,
+        tokenizer,
         cfg.data.template,
         steps=sft.steps,
         batch_size=sft.batch_size,
@@ -46,35 +70,32 @@ def run_warmup(trainer: Any, start: int) -> bool:
     if start:
         logger.info("sft warm-up: resuming after step %d/%d", start, len(batches))
     began = time.perf_counter()
-    progress = sft_progress(len(batches), trainer.rank == 0, cfg.trainer.progress, start)
+    progress = sft_progress(len(batches), rank == 0, cfg.trainer.progress, start)
     try:
         for i in range(start, len(batches)):
-            if _step(trainer, batches, i, progress):
-                return True
+            share = data_parallel_share(batches[i], dp_rank, dp_size, 1)
+            metrics = engine.sft_step(share, sft.lr)
+            progress.update({"nll": metrics.get("loss", float("nan"))})
+            if i < len(batches) - 1 and stop_agreed(signals):
+                _stop(signals, save, i + 1, len(batches))
+                return Warmup(stopped=True, seconds=time.perf_counter() - began)
     finally:
         progress.close()
-        trainer.phases["sft"] = time.perf_counter() - began
-    logger.info("sft warm-up: %d steps in %.1f s", len(batches) - start, trainer.phases["sft"])
-    trainer.save()  # step_00000000: the end of the warm-up, kept by every keep_last
-    return False
+    seconds = time.perf_counter() - began
+    logger.info("sft warm-up: %d steps in %.1f s", len(batches) - start, seconds)
+    save()  # step_00000000: the end of the warm-up, kept by every keep_last
+    return Warmup(stopped=False, seconds=seconds)
 
 
-def _step(trainer: Any, batches: list[Any], i: int, progress: Any) -> bool:
-    """SFT step ``i + 1``; True when a stop signal ended the warm-up after it (saved)."""
-    share = data_parallel_share(batches[i], trainer.dp_rank, trainer.dp_size, 1)
-    metrics = trainer.engine.sft_step(share, trainer.cfg.sft.lr)
-    trainer.unsaved_progress = True
-    progress.update({"nll": metrics.get("loss", float("nan"))})
-    if i < len(batches) - 1 and stop_agreed(trainer.signals):
-        trainer.signals.saving = True
-        trainer.save(sft_step=i + 1)
-        trainer.signals.saved = True
-        logger.warning(
-            "stopped by signal %s during the SFT warm-up after step %d/%d; checkpoint saved, "
-            "exit 75 (resume by running the same command)",
-            trainer.signals.name or "(on another rank)",
-            i + 1,
-            len(batches),
-        )
-        return True
-    return False
+def _stop(signals: StopSignals, save: Callable[..., None], step: int, steps: int) -> None:
+    """Save ``sft_<step>`` after a stop signal and say so."""
+    signals.saving = True
+    save(sft_step=step)
+    signals.saved = True
+    logger.warning(
+        "stopped by signal %s during the SFT warm-up after step %d/%d; checkpoint saved, "
+        "exit 75 (resume by running the same command)",
+        signals.name or "(on another rank)",
+        step,
+        steps,
+    )

@@ -9,8 +9,7 @@ import torch
 import torch.distributed as dist
 
 from reco_megatron.algo import diversity_metrics, pass_at_k
-from reco_megatron.megatron.device import collective_device
-from reco_megatron.megatron.microbatching import step_batching_metrics
+from reco_megatron.megatron import collective_device, step_batching_metrics
 
 
 def rollout_counters(

@@ -22,8 +22,8 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from types import FrameType
-from typing import Any
 
 from reco_megatron.utils.logging import get_logger
 
@@ -109,7 +109,7 @@ def stop_agreed(signals: StopSignals) -> bool:
     import torch
     import torch.distributed as dist
 
-    from reco_megatron.megatron.device import collective_device
+    from reco_megatron.megatron import collective_device
 
     flag = torch.tensor([1.0 if signals.received is not None else 0.0])
     if dist.is_initialized():
@@ -118,23 +118,21 @@ def stop_agreed(signals: StopSignals) -> bool:
     return bool(flag.item() > 0)
 
 
-def stop_here(trainer: Any) -> bool:
-    """At a safe point of ``trainer`` (a :class:`~reco_megatron.trainer.loop.Trainer`): when
-    any rank got a stop signal, save what was trained since the last checkpoint and say so
+def stop_here(signals: StopSignals, *, step: int, save: Callable[[], None] | None) -> bool:
+    """At a safe point of the loop, after RL step ``step``: when any rank got a stop signal,
+    call ``save`` (None: nothing was trained since the last checkpoint) and say so
     (collective); the caller then exits with :data:`EXIT_RESUMABLE`."""
-    signals = trainer.signals
     if not stop_agreed(signals):
         return False
     signals.saving = True
-    saved = trainer.unsaved_progress
-    if saved:
-        trainer.save()
+    if save is not None:
+        save()
     signals.saved = True
     logger.warning(
         "stopped by signal %s after step %d; %s, exit %d (resume by running the same command)",
         signals.name or "(on another rank)",
-        trainer.step,
-        "checkpoint saved" if saved else "nothing trained since the last checkpoint",
+        step,
+        "checkpoint saved" if save is not None else "nothing trained since the last checkpoint",
         EXIT_RESUMABLE,
     )
     return True
@@ -145,8 +143,11 @@ def report_abort(output_dir: str, rank: int) -> int:
     one line what is intact, and return :data:`EXIT_RESUMABLE`."""
     from pathlib import Path
 
-    from reco_megatron.megatron.checkpoint import CheckpointError, latest_checkpoint
-    from reco_megatron.megatron.checkpoint.resume import remove_partial_checkpoints
+    from reco_megatron.megatron import (
+        CheckpointError,
+        latest_checkpoint,
+        remove_partial_checkpoints,
+    )
 
     if rank != 0:
         return EXIT_RESUMABLE

@@ -1,4 +1,4 @@
-"""The rollout side of the loop: building the engine and streaming the policy into it.
+"""Streaming the policy into the rollout engine (built by :mod:`.rollout_engines`).
 
 The policy's weights travel as Hugging Face ``(name, tensor)`` pairs
 (:func:`reco_megatron.megatron.hf.converter.policy_hf_weights`): what vLLM's
@@ -20,17 +20,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from reco_megatron.megatron.device import compute_device
-from reco_megatron.megatron.hf.config import hf_config_from_model_config
-from reco_megatron.megatron.hf.convert import hf_shapes
-from reco_megatron.megatron.hf.converter import policy_hf_weights
-from reco_megatron.megatron.model import ModelConfig
+from reco_megatron.megatron import ModelConfig, ReCoEngine, policy_hf_weights
 from reco_megatron.rollout.base import Completion, RolloutEngine, SamplingParams
 from reco_megatron.utils.logging import get_logger
 
@@ -92,135 +86,8 @@ class RolloutClient:
         self.engine.close()
 
 
-def build_rollout_engine(
-    cfg: Any, tokenizer: Any, device: torch.device | str | None = None, policy: Any = None
-) -> RolloutClient:
-    """The configured engine (``embedded``, ``vllm`` or ``megatron``) for the policy.
-
-    ``device``: where the embedded engine runs (the training engine's ``engine.device``;
-    None: :func:`~reco_megatron.megatron.device.compute_device`). vLLM places itself.
-    ``policy`` is the trainer's :class:`reco_megatron.megatron.engine.ReCoEngine`; the
-    ``megatron`` engine decodes on its chunks (required for it, unused by the others)."""
-    r = cfg.rollout
-    eos = (tokenizer.eos_id,)
-    sampling = SamplingParams(
-        temperature=r.temperature,
-        top_p=r.top_p,
-        max_new_tokens=r.max_new_tokens,
-        stop_token_ids=eos,
-    )
-    expected = {name: tuple(shape) for name, shape in hf_shapes(cfg.model).items()}
-    hf_config = hf_config_from_model_config(cfg.model)
-    hf_config["eos_token_id"] = tokenizer.eos_id
-    hf_config["pad_token_id"] = tokenizer.pad_id
-    max_len = r.max_prompt_len + r.max_new_tokens
-    if r.engine == "megatron":
-        return RolloutClient(_megatron_engine(cfg, policy, max_len, eos), sampling)
-    if r.engine == "embedded":
-        from reco_megatron.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
-
-        where = str(device if device is not None else compute_device())
-        engine: RolloutEngine = EmbeddedEngine(
-            hf_config,
-            EmbeddedEngineConfig(
-                max_model_len=max_len,
-                max_batch_size=r.max_batch_size,
-                seed=cfg.trainer.seed,
-                device=where,
-                eos_token_ids=eos,
-            ),
-        )
-    else:
-        from reco_megatron.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
-
-        warn_if_colocation_overflows(cfg)
-        model_dir = write_rollout_model_dir(cfg, hf_config)
-        dtype = cfg.model.params_dtype
-        engine = VLLMEngine(
-            VLLMEngineConfig(
-                model=str(model_dir),
-                tensor_parallel_size=cfg.parallel.tensor_model_parallel_size,
-                max_model_len=max_len,
-                gpu_memory_utilization=r.gpu_memory_utilization,
-                dtype="float32" if dtype == "float32" else dtype,
-                load_format="dummy",  # the weights come from update_weights
-                seed=cfg.trainer.seed,
-                skip_tokenizer_init=True,  # we pass token ids; the model dir has no tokenizer
-                return_routed_experts=cfg.update.routing_replay != "off",
-            )
-        )
-    return RolloutClient(engine, sampling, expected)
-
-
-def warn_if_colocation_overflows(cfg: Any) -> list[str]:
-    """Log a warning per phase of the step whose estimated peak exceeds this GPU
-    (:mod:`reco_megatron.trainer.memory`); returns the messages (none without CUDA)."""
-    if not torch.cuda.is_available():
-        return []
-    from reco_megatron.trainer.memory import colocation_budget, colocation_warnings
-
-    par = cfg.parallel
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    model_parallel = (
-        par.tensor_model_parallel_size
-        * par.pipeline_model_parallel_size
-        * par.context_parallel_size
-    )
-    budget = colocation_budget(
-        cfg.model,
-        par,
-        data_parallel_size=max(1, world // model_parallel),
-        max_seq_len=cfg.rollout.max_prompt_len + cfg.rollout.max_new_tokens,
-        gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
-        gpu_bytes=torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory,
-        distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
-        reference_model=cfg.loss.kl_coef > 0,
-        tokens_per_microbatch=cfg.update.max_tokens_per_microbatch,
-    )
-    messages = colocation_warnings(budget)
-    for message in messages:
-        logger.warning("vLLM colocation: %s", message)
-    return messages
-
-
-def _megatron_engine(cfg: Any, policy: Any, max_len: int, eos: tuple[int, ...]) -> RolloutEngine:
-    """The megatron engine on ``policy``'s chunks (it satisfies the protocol structurally:
-    ``reco_megatron.rollout`` never imports megatron, the adapter takes the decoder)."""
-    from reco_megatron.megatron.rollout_engine import MegatronDecoder
-    from reco_megatron.rollout.megatron_engine import MegatronEngine, MegatronEngineConfig
-
-    if policy is None:
-        raise ValueError("rollout.engine=megatron needs the trainer's engine (policy=...)")
-    decoder = MegatronDecoder(
-        policy.unwrapped(),
-        vocab_size=cfg.model.vocab_size,
-        max_model_len=max_len,
-        max_batch_size=cfg.rollout.max_batch_size,
-        pad_id=eos[0],
-        routing=policy.routing,
-        record_routing=cfg.update.routing_replay != "off",
-    )
-    return MegatronEngine(decoder, MegatronEngineConfig(seed=cfg.trainer.seed, eos_token_ids=eos))
-
-
-def write_rollout_model_dir(cfg: Any, hf_config: dict[str, Any]) -> Path:
-    """``<output_dir>/rollout_model/config.json``: the policy architecture vLLM builds (with
-    dummy weights, replaced by the first :func:`sync_weights`). Written by global rank 0."""
-    import json
-
-    out = Path(cfg.trainer.output_dir) / "rollout_model"
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        tmp = out / "config.json.tmp"
-        tmp.write_text(json.dumps(hf_config, indent=1, sort_keys=True))
-        tmp.replace(out / "config.json")
-    if dist.is_initialized():
-        dist.barrier()
-    return out
-
-
 def sync_weights(
-    engine: Any, rollout: RolloutClient, model_cfg: ModelConfig, converter: str = "builtin"
+    engine: ReCoEngine, rollout: RolloutClient, model_cfg: ModelConfig, converter: str = "builtin"
 ) -> None:
     """Stream the current policy into the rollout engine (collective): wake its weights, push
     them checked per tensor, reset its prefix cache, wake its KV cache

@@ -112,6 +112,17 @@ def test_preset_values(name: str, expected: dict) -> None:
         assert getattr(cfg, key) == value, (name, key)
 
 
+def test_one_reco_default() -> None:
+    """``LossConfig()``, the ``reco`` preset and a run config without a ``loss`` section are
+    one and the same loss (no KL term)."""
+    from reco_megatron.trainer.config import TrainConfig
+
+    assert LossConfig() == LossConfig.preset("reco") == TrainConfig().loss
+    assert LossConfig().kl_coef == 0.0
+    for name in ("reco_plain", "reco_response_only", "reco_token_only"):
+        assert LossConfig.preset(name).kl_coef == 0.0, name
+
+
 def test_preset_overrides_and_errors() -> None:
     assert LossConfig.preset("reco", eps_high=0.28).eps_high == 0.28
     with pytest.raises(ValueError, match=r"unknown loss preset 'ppo'.*'cispo'.*'reco'"):

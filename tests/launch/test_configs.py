@@ -138,3 +138,19 @@ def test_cli_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(bad) == 2
     assert "world size 3 is not divisible" in capsys.readouterr().err
     assert main(["--nnodes", "1", "--nproc-per-node", "1", tiny, "model.nope=1"]) == 2
+
+
+def test_one_key_for_the_prompt_budget() -> None:
+    """``rollout.max_prompt_len`` is the prompt budget: the trainer reads its prompt files
+    with it (the config itself is never changed), and a different
+    ``data.dataset.max_prompt_len`` is refused with the key to remove."""
+    from reco_megatron.config import ConfigError
+
+    cfg = load_config(TrainConfig, ROOT / "examples/tiny_cpu.yaml", [])
+    assert cfg.prompt_dataset().max_prompt_len == cfg.rollout.max_prompt_len == 80
+    assert cfg.data.dataset.max_prompt_len is None
+    load_config(TrainConfig, ROOT / "examples/tiny_cpu.yaml", ["data.dataset.max_prompt_len=80"])
+    with pytest.raises(ConfigError, match=r"remove data\.dataset\.max_prompt_len"):
+        load_config(
+            TrainConfig, ROOT / "examples/tiny_cpu.yaml", ["data.dataset.max_prompt_len=40"]
+        )

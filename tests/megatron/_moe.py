@@ -19,11 +19,12 @@ import torch.distributed as dist
 
 from reco_megatron.algo import LossConfig
 from reco_megatron.megatron.distributed import ParallelConfig, initialize_parallel
-from reco_megatron.megatron.engine import ReCoEngine, UpdateConfig
 from reco_megatron.megatron.hf.sharding import full_tensors, global_names, shard_tp
-from reco_megatron.megatron.model import ModelConfig
-from reco_megatron.megatron.moe import MoEConfig
-from reco_megatron.megatron.optimizer import OptimConfig
+from reco_megatron.megatron.model.config import ModelConfig
+from reco_megatron.megatron.model.moe import MoEConfig
+from reco_megatron.megatron.model.optimizer import OptimConfig
+from reco_megatron.megatron.step.config import UpdateConfig
+from reco_megatron.megatron.step.engine import ReCoEngine
 from tests.megatron import _reco
 
 EXPERTS, TOPK = 8, 2

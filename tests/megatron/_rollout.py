@@ -20,7 +20,7 @@ def rollout_engine(
     engine: Any, max_batch_size: int = 16, seed: int = 0, eos: tuple = (), release: bool = True
 ) -> Any:
     """A :class:`MegatronEngine` on ``engine``'s chunks (what the trainer builds)."""
-    from reco_megatron.megatron.rollout_engine import MegatronDecoder
+    from reco_megatron.megatron.decoding.decoder import MegatronDecoder
     from reco_megatron.rollout.megatron_engine import MegatronEngine, MegatronEngineConfig
 
     cfg = engine.model_cfg
@@ -64,7 +64,7 @@ def logprob_gap_body(
 
 def _sp_flags(engine: Any) -> list[Any]:
     """The config's and every module's sequence-parallel flags, in module order."""
-    from reco_megatron.megatron.rollout_engine import _SP_ATTRIBUTES
+    from reco_megatron.megatron.decoding.sequence_parallel import _SP_ATTRIBUTES
 
     chunk = engine.unwrapped()[0]
     flags: list[Any] = [chunk.config.sequence_parallel]

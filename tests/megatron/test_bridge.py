@@ -18,7 +18,7 @@ from reco_megatron.megatron.hf import bridge
 from reco_megatron.megatron.hf.bridge import bridge_hf_weights, bridge_load_hf
 from reco_megatron.megatron.hf.convert import WeightMappingError
 from reco_megatron.megatron.hf.converter import choose_converter
-from reco_megatron.megatron.model import ModelConfig
+from reco_megatron.megatron.model.config import ModelConfig
 
 UNPADDED = ModelConfig(vocab_size=128, make_vocab_size_divisible_by=64)
 PADDED = ModelConfig(vocab_size=100, make_vocab_size_divisible_by=64)

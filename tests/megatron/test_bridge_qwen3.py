@@ -34,7 +34,7 @@ def _crosscheck(rank: int, world: int, hf_dir: str, tp: int, ep: int, src: str) 
     from reco_megatron.megatron.hf.config import model_config_from_hf
     from reco_megatron.megatron.hf.converter import choose_converter
     from reco_megatron.megatron.hf.sharding import global_names
-    from reco_megatron.megatron.model import build_model, transformer_config
+    from reco_megatron.megatron.model.build import build_model, transformer_config
 
     cfg = model_config_from_hf(hf_dir, make_vocab_size_divisible_by=64)
     parallel = ParallelConfig(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)

@@ -110,7 +110,7 @@ def _build_chunks(model_cfg: Any, tp: int, pp: int) -> list[Any]:
     from megatron.core import parallel_state as ps
 
     from reco_megatron.megatron.distributed import ParallelConfig, initialize_parallel
-    from reco_megatron.megatron.model import build_model, transformer_config
+    from reco_megatron.megatron.model.build import build_model, transformer_config
 
     parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     initialize_parallel(parallel, seed=1)

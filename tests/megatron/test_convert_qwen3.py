@@ -100,7 +100,7 @@ def _import_export(rank: int, world: int, hf_dir: str, tp: int, ep: int, out_dir
         load_hf_checkpoint,
         save_hf_checkpoint,
     )
-    from reco_megatron.megatron.model import build_model, transformer_config
+    from reco_megatron.megatron.model.build import build_model, transformer_config
     from reco_megatron.rollout.base import SamplingParams
     from reco_megatron.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
 

@@ -34,7 +34,7 @@ def _build_gpu_path_body(rank, world_size, params_dtype):
     from megatron.core.transformer import TransformerConfig
 
     from reco_megatron.megatron.distributed import ParallelConfig
-    from reco_megatron.megatron.model import build_model, transformer_config
+    from reco_megatron.megatron.model.build import build_model, transformer_config
     from tests.megatron import _tiny
 
     sys.modules["transformer_engine"] = None  # type: ignore[assignment]  # import -> ImportError
@@ -147,7 +147,7 @@ def test_train_and_sft_steps_move_their_batches() -> None:
 
 
 def test_a_misplaced_micro_batch_is_named_where_it_enters_the_model() -> None:
-    from reco_megatron.megatron.loss_layer import make_forward_step
+    from reco_megatron.megatron.step.loss_layer import make_forward_step
 
     mb = _reco.rollout_batch()
     step = make_forward_step(lambda *a: None, ctx=None, device=torch.device("meta"))  # type: ignore[arg-type]

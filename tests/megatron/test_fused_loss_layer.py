@@ -16,14 +16,14 @@ import pytest
 import torch
 
 from reco_megatron.algo import LossConfig
-from reco_megatron.megatron.batch import RolloutBatch
-from reco_megatron.megatron.loss_layer import LossContext, policy_loss_func, sft_loss_func
+from reco_megatron.megatron.step.batch import RolloutBatch
+from reco_megatron.megatron.step.loss_layer import LossContext, policy_loss_func, sft_loss_func
 
 ATOL = 1e-5
 B, L, H, VOCAB, V_PAD = 4, 7, 8, 40, 48
 
 CONFIGS = {
-    "reco": LossConfig.preset("reco"),  # KL k3 0.04, sequence weights, Bernoulli ratio
+    "reco": LossConfig.preset("reco", kl_coef=0.04),  # KL k3, sequence weights, Bernoulli ratio
     "reco_categorical_entropy": LossConfig.preset(
         "reco", token_ratio="categorical", entropy_coef=0.01, kl_coef=0.0
     ),

@@ -9,9 +9,9 @@ import random
 import pytest
 import torch
 
-from reco_megatron.megatron.batch import RolloutBatch
-from reco_megatron.megatron.dp_balance import balanced_partition, sequence_cost
-from reco_megatron.megatron.microbatching import (
+from reco_megatron.megatron.step.batch import RolloutBatch
+from reco_megatron.megatron.step.dp_balance import balanced_partition, sequence_cost
+from reco_megatron.megatron.step.microbatching import (
     MicroBatchPlan,
     budget_plan,
     fixed_plan,

@@ -15,7 +15,7 @@ order, PP and DP change nothing but the reduction order of gradients; measured d
 ~1e-7 relative. Old log-probs and losses agree to 1e-5, gradients to 1e-6 (absolute, for
 entries up to ~0.3), parameters to 2e-5 (Adam with eps 1e-3 passes a gradient difference on
 with a Lipschitz constant lr/eps = 10, over two steps; see ``tests/megatron/_reco.py``).
-The auxiliary loss is on with coefficient 0.1, so its gradient scale (``megatron/routing.py``)
+The auxiliary loss is on with coefficient 0.1, so its gradient scale (``megatron/model/routing.py``)
 is part of every comparison.
 """
 
@@ -26,9 +26,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from reco_megatron.megatron.batch import data_parallel_groups
 from reco_megatron.megatron.distributed import ParallelConfig
-from reco_megatron.megatron.model import ModelConfig
+from reco_megatron.megatron.model.config import ModelConfig
+from reco_megatron.megatron.step.batch import data_parallel_groups
 from reco_megatron.testing import run_distributed
 from tests.megatron import _moe, _reco
 

@@ -34,7 +34,7 @@ def _body(rank, world_size, ep, modes, tp=1):
 def _generate_and_train(ep, mode, tp=1):
     from megatron.core import parallel_state as ps
 
-    from reco_megatron.megatron.rollout_engine import MegatronDecoder
+    from reco_megatron.megatron.decoding.decoder import MegatronDecoder
     from reco_megatron.rollout.megatron_engine import MegatronEngine, MegatronEngineConfig
     from reco_megatron.trainer.rollout_batch import build_rollout_batch
 

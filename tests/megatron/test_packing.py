@@ -19,15 +19,15 @@ import pytest
 import torch
 
 from reco_megatron.algo import LossConfig
-from reco_megatron.megatron.batch import RolloutBatch
-from reco_megatron.megatron.loss_layer import (
+from reco_megatron.megatron.step.batch import RolloutBatch
+from reco_megatron.megatron.step.loss_layer import (
     LossContext,
     make_forward_step,
     policy_loss_func,
     statistics_func,
 )
-from reco_megatron.megatron.microbatching import needed_lengths, take_rows
-from reco_megatron.megatron.packing import (
+from reco_megatron.megatron.step.microbatching import needed_lengths, take_rows
+from reco_megatron.megatron.step.packing import (
     PackedLabels,
     PackedMicroBatch,
     make_packed_forward_step,

@@ -2,10 +2,10 @@
 
 Two parts:
 
-* :class:`~reco_megatron.megatron.norm.SequenceParallelNorm` against an fp64 reference (forward
-  and backward, RMSNorm and LayerNorm, fp32 and bf16): in fp32 it is bit-identical to torch's
-  norms (what the local spec built before), in bf16 its output is the fp64 result rounded once
-  (fp32 statistics: a bf16 mean of squares would be off by several bf16 steps).
+* :class:`~reco_megatron.megatron.model.norm.SequenceParallelNorm` against an fp64 reference
+  (forward and backward, RMSNorm and LayerNorm, fp32 and bf16): in fp32 it is bit-identical to
+  torch's norms (what the local spec built before), in bf16 its output is the fp64 result
+  rounded once (fp32 statistics: a bf16 mean of squares would be off by several bf16 steps).
 * One ReCo update (old-policy pass + 2 optimizer steps, the rollout batch of
   ``test_reco_step``) at TP 2 with sequence parallelism equals the same update at TP 2 without
   it and the single-process run: per-token old log-probs, losses and metrics, the gradient
@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from reco_megatron.algo import LossConfig
-from reco_megatron.megatron.norm import SequenceParallelNorm
+from reco_megatron.megatron.model.norm import SequenceParallelNorm
 from reco_megatron.testing import run_distributed
 from tests.megatron import _reco
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from reco_megatron.config import load_config
+from reco_megatron.megatron.memory.estimate import GIB, colocation_budget, colocation_warnings
 from reco_megatron.trainer.config import TrainConfig
-from reco_megatron.trainer.memory import GIB, colocation_budget, colocation_warnings
 
 H100_BYTES = 81559 * 2**20
 """An H100 80GB as ``nvidia-smi`` reports it (to confirm: ``total_memory`` of the device)."""
@@ -68,7 +68,8 @@ def test_docs_table_is_the_codes() -> None:
     """docs/rollout.md shows the table ``python -m reco_megatron.trainer.memory`` prints."""
     from pathlib import Path
 
-    from reco_megatron.trainer.memory import colocation_table, example_budgets
+    from reco_megatron.megatron.memory.estimate import colocation_table
+    from reco_megatron.trainer.memory import example_budgets
 
     assert colocation_table(example_budgets()) in Path("docs/rollout.md").read_text()
 
@@ -80,7 +81,7 @@ def test_start_up_check_reads_the_device_and_warns(monkeypatch) -> None:
 
     import torch
 
-    from reco_megatron.trainer.weight_sync import warn_if_colocation_overflows
+    from reco_megatron.trainer.rollout_engines import warn_if_colocation_overflows
 
     cfg = load_config(TrainConfig, "examples/llama3.1-8b-instruct.yaml", [])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

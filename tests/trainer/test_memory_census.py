@@ -5,7 +5,7 @@ builds every pipeline stage of the examples' layouts on the meta device: the 8B 
 the 70B at TP 8 x PP 4 at DP 1 and DP 2, plus the 1.5B example at PP 2 with fp32 parameters and
 a plain optimizer (tied embeddings: the last stage holds a copy of the embedding; no master
 copy; Adam state not sharded). Weights, fp32 gradient buffers and optimizer state per rank
-must equal ``trainer/memory.py``'s estimate within 2 % (they agree exactly today). The old
+must equal ``megatron/memory/estimate.py``'s estimate within 2 % (they agree exactly today). The old
 estimate, ``all parameters / (TP x PP)``, must not pass: it ignored where the embedding and the
 output layer sit, 3 % off on every 70B stage.
 """

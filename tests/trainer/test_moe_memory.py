@@ -5,16 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from reco_megatron.config import load_config
-from reco_megatron.trainer.config import TrainConfig
-from reco_megatron.trainer.memory import (
+from reco_megatron.megatron.memory.estimate import (
     H100_80GB_BYTES,
-    MOE_EXAMPLES,
     colocation_budget,
     colocation_table,
     colocation_warnings,
-    example_budgets,
     parameter_counts,
 )
+from reco_megatron.trainer.config import TrainConfig
+from reco_megatron.trainer.memory import MOE_EXAMPLES, example_budgets
 
 EXAMPLE = "examples/qwen3-30b-a3b.yaml"
 

@@ -110,7 +110,7 @@ def allocations_on_meta() -> Iterator[None]:
     """While active, what the proxied megatron modules would allocate on CUDA (gradient
     buffers, distributed-optimizer shards, ...) is created on the meta device, and meta
     tensors pass megatron's CUDA type checks like CPU tensors: the real code computes every
-    shape of a layout that would not fit in memory (``megatron.memory_census``)."""
+    shape of a layout that would not fit in memory (``megatron.memory.census``)."""
     _TARGET[0] = torch.device("meta")
     try:
         yield

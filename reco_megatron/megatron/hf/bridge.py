@@ -33,7 +33,7 @@ import torch
 from reco_megatron.megatron.hf.checkpoint import check_hf_checkpoint
 from reco_megatron.megatron.hf.config import hf_config_from_model_config
 from reco_megatron.megatron.hf.convert import LM_HEAD
-from reco_megatron.megatron.model import ModelConfig
+from reco_megatron.megatron.model.config import ModelConfig
 from reco_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)

@@ -41,7 +41,7 @@ from reco_megatron.megatron.hf.convert import (
     import_hf_weights,
 )
 from reco_megatron.megatron.hf.target import check_target, move_into_place
-from reco_megatron.megatron.model import ModelConfig
+from reco_megatron.megatron.model.config import ModelConfig
 from reco_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)

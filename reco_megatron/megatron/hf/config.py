@@ -1,4 +1,4 @@
-"""Hugging Face ``config.json`` <-> :class:`~reco_megatron.megatron.model.ModelConfig`.
+"""Hugging Face ``config.json`` <-> :class:`~reco_megatron.megatron.model.build.ModelConfig`.
 
 Supported: ``model_type`` ``llama`` (Llama 2/3/3.1/3.2, no biases), ``qwen2`` (Qwen2 /
 Qwen2.5, bias on q/k/v only), ``qwen3`` (Qwen3 dense: per-head RMSNorm of q and k, decoupled
@@ -18,8 +18,8 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from reco_megatron.megatron.model import FAMILIES, ModelConfig
-from reco_megatron.megatron.moe import MoEConfig
+from reco_megatron.megatron.model.config import FAMILIES, ModelConfig
+from reco_megatron.megatron.model.moe import MoEConfig
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",

@@ -56,7 +56,7 @@ from reco_megatron.megatron.hf.sharding import (
     global_names,
     shard_tp,
 )
-from reco_megatron.megatron.model import ModelConfig
+from reco_megatron.megatron.model.config import ModelConfig
 
 __all__ = [
     "EMBED",

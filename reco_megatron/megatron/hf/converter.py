@@ -25,7 +25,7 @@ from typing import Any, Literal
 import torch
 
 from reco_megatron.megatron.hf.checkpoint import all_stage_hf_weights, load_hf_checkpoint
-from reco_megatron.megatron.model import ModelConfig
+from reco_megatron.megatron.model.config import ModelConfig
 
 HFConverter = Literal["auto", "builtin", "megatron_bridge"]
 HF_CONVERTERS: tuple[str, ...] = ("auto", "builtin", "megatron_bridge")

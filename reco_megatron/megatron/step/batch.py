@@ -6,7 +6,7 @@ response tokens, right-padded to one length. Training predicts token ``t+1`` fro
 (shape ``[B, S]`` with ``S = L - 1``): ``loss_mask[:, t]`` is 1 when ``tokens[:, t+1]`` is a
 response token. Getting this alignment wrong by one is the classic RL-trainer bug; it is
 done once, here. Micro-batches (fixed or token-budget) are cut in
-:mod:`reco_megatron.megatron.microbatching`.
+:mod:`reco_megatron.megatron.step.microbatching`.
 """
 
 from __future__ import annotations

@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from reco_megatron.megatron.batch import RolloutBatch
 from reco_megatron.megatron.device import check_on_device
-from reco_megatron.megatron.microbatching import round_up
+from reco_megatron.megatron.step.batch import RolloutBatch
+from reco_megatron.megatron.step.microbatching import round_up
 from reco_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -174,7 +174,7 @@ def make_packed_forward_step(
         )
         loss_ctx = replace(ctx, packed=labels)
         if fused_output_layer:
-            from reco_megatron.megatron.model import output_weight
+            from reco_megatron.megatron.model.build import output_weight
 
             loss_ctx = replace(loss_ctx, output_weight=output_weight(model))
         return output, partial(loss_func, mb, loss_ctx)

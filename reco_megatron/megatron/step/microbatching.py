@@ -30,7 +30,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from reco_megatron.megatron.batch import RolloutBatch
+from reco_megatron.megatron.step.batch import RolloutBatch
 
 
 def round_up(n: int, multiple: int) -> int:

@@ -25,124 +25,43 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from typing import Any, Literal
+from dataclasses import replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from reco_megatron.algo import TOKEN_ID_WEIGHT_MODES, LossConfig, response_weights
-from reco_megatron.megatron.batch import RolloutBatch
 from reco_megatron.megatron.device import collective_device, resolve_device
 from reco_megatron.megatron.distributed import ParallelConfig
-from reco_megatron.megatron.engine_metrics import reduce_metrics
-from reco_megatron.megatron.loss_layer import (
+from reco_megatron.megatron.model.build import build_model, fuse_output_layer, transformer_config
+from reco_megatron.megatron.model.config import ModelConfig
+from reco_megatron.megatron.model.optimizer import (
+    OptimConfig,
+    build_optimizer,
+    current_lr,
+    wrap_ddp,
+)
+from reco_megatron.megatron.model.routing import MoERouting
+from reco_megatron.megatron.step.batch import RolloutBatch
+from reco_megatron.megatron.step.config import UpdateConfig
+from reco_megatron.megatron.step.loss_layer import (
     LossContext,
     denominator_share,
     policy_loss_func,
     sft_loss_func,
     statistics_func,
 )
-from reco_megatron.megatron.microbatching import MicroBatchPlan, scatter_rows, with_plan_counters
-from reco_megatron.megatron.model import (
-    ModelConfig,
-    build_model,
-    fuse_output_layer,
-    transformer_config,
+from reco_megatron.megatron.step.metrics import reduce_metrics
+from reco_megatron.megatron.step.microbatching import (
+    MicroBatchPlan,
+    scatter_rows,
+    with_plan_counters,
 )
-from reco_megatron.megatron.optimizer import OptimConfig, build_optimizer, current_lr, wrap_ddp
-from reco_megatron.megatron.routing import MoERouting
-from reco_megatron.megatron.schedule import MicroBatcher
-from reco_megatron.parallel.vocab_stats_kernels import IMPLEMENTATIONS
+from reco_megatron.megatron.step.schedule import MicroBatcher
 from reco_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)
-
-
-@dataclass(kw_only=True)
-class UpdateConfig:
-    """How one rollout batch is turned into optimizer steps."""
-
-    minibatches_per_rollout: int = 1
-    """Optimizer steps per pass over the rollout batch (>= 2 for ReCo's token ratio to act)."""
-    epochs_per_rollout: int = 1
-    """Passes over the rollout batch."""
-    stats_implementation: str = "auto"
-    """Statistics op kernels: ``auto`` (Triton kernels on GPU when Triton imports, else
-    ``compiled``; ``eager`` on CPU), ``eager``, ``compiled`` or ``triton``."""
-
-    fused_output_layer: bool = False
-    """Run the output layer inside the loss layer, fused with the statistics op, block by
-    block, so the logits never exist whole (``parallel.linear_stats``; same losses and
-    gradients as the unfused path). Off by default until measured faster on a GPU."""
-
-    max_tokens_per_microbatch: int | None = None
-    """Token budget of one micro-batch: each micro-batch runs at its own longest sequence
-    (rounded up to ``microbatch_length_multiple``), sequences grouped for the least padding
-    with ``rows x length <= budget``, in the old-policy, reference and update passes alike; the
-    loss and gradients do not change (docs/megatron-engine.md). At least the longest prompt +
-    response. null: fixed micro-batches of ``parallel.micro_batch_size`` sequences at the
-    batch's length."""
-    microbatch_length_multiple: int = 16
-    """With a token budget: micro-batch lengths are rounded up to this multiple (kernel-friendly
-    shapes), and to TP with sequence parallelism, 2 x CP with context parallelism."""
-    balance_data_parallel: bool = True
-    """With a token budget and DP > 1: exchange whole groups between data-parallel ranks
-    (within each global mini-batch) so that every rank gets about the same estimated compute,
-    attention included."""
-    sequence_packing: bool = False
-    """With a token budget: pack the sequences of a micro-batch into one row (THD, megatron's
-    ``PackedSeqParams``) instead of padded rows. Needs transformer-engine on a GPU; without it
-    the run logs one line and uses the padded token-budget micro-batches."""
-
-    routing_replay: Literal["off", "record", "replay"] = "off"
-    """Mixture-of-experts models: ``record`` has the rollout engine return each token's
-    experts and logs how often the trainer's routers choose others (``routing_mismatch``);
-    ``replay`` also makes the old-policy pass and the updates use the rollout's experts
-    (docs/megatron-engine.md, "Routing replay"); ``off`` neither."""
-
-    measure_unreplayed: bool = False
-    """With ``routing_replay: replay``: also run the old-policy pass with the model's own
-    routing to log ``logprob_mismatch_free``, the rollout/trainer mismatch replay removes
-    (one more forward-only pass per step)."""
-
-    def __post_init__(self) -> None:
-        if self.routing_replay not in ("off", "record", "replay"):
-            raise ValueError(
-                "update.routing_replay must be 'off', 'record' or 'replay', got "
-                f"{self.routing_replay!r}"
-            )
-        for name in (
-            "fused_output_layer",
-            "balance_data_parallel",
-            "sequence_packing",
-            "measure_unreplayed",
-        ):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(
-                    f"update.{name} must be true or false, got {getattr(self, name)!r}"
-                )
-        if self.sequence_packing and self.max_tokens_per_microbatch is None:
-            raise ValueError(
-                "update.sequence_packing=true needs update.max_tokens_per_microbatch (the "
-                "length of one packed row): set it, e.g. to max_prompt_len + max_new_tokens"
-            )
-        for name in (
-            "minibatches_per_rollout",
-            "epochs_per_rollout",
-            "microbatch_length_multiple",
-            "max_tokens_per_microbatch",
-        ):
-            value = getattr(self, name)
-            if name == "max_tokens_per_microbatch" and value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"update.{name} must be a positive integer, got {value!r}")
-        if self.stats_implementation not in IMPLEMENTATIONS:
-            raise ValueError(
-                f"update.stats_implementation must be one of {', '.join(IMPLEMENTATIONS)}, "
-                f"got {self.stats_implementation!r}"
-            )
 
 
 class ReCoEngine:
@@ -192,11 +111,6 @@ class ReCoEngine:
                 self.unwrapped(),
                 num_layers=model.num_layers,
                 sequence_parallel=parallel.sequence_parallel,
-            )
-        elif update.routing_replay != "off":
-            raise ValueError(
-                f"update.routing_replay={update.routing_replay!r} needs a mixture-of-experts "
-                "model (model.moe); set it to 'off' for a dense model"
             )
         self.ctx = LossContext(
             loss=loss,
@@ -257,7 +171,7 @@ class ReCoEngine:
         (``schedule.MicroBatcher``: fixed or token-budget micro-batches). For the policy of a
         mixture-of-experts model the data iterators also set each micro-batch's routing
         (``replay``: the rollout's experts; ``measure``: record the free choices) and, when
-        training, the auxiliary loss's coefficient (:mod:`reco_megatron.megatron.routing`)."""
+        training, the auxiliary loss's coefficient (:mod:`reco_megatron.megatron.model.routing`)."""
         batch = batch.to(self.device)
         routing = self.routing if model is self.model else None
         iterators = None

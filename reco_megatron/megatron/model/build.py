@@ -1,13 +1,12 @@
 """GPT-style decoders on megatron-core (Llama, Qwen2, Qwen3, Qwen3-MoE) from one typed config.
 
-:class:`ModelConfig` holds what defines the architecture (the fields of a Hugging Face
-``config.json`` that matter); :data:`FAMILIES` says what each family adds to the common
-decoder (QKV bias, QK layernorm, mixture-of-experts layers); :func:`transformer_config` turns
+:class:`~reco_megatron.megatron.model.config.ModelConfig` holds what defines the architecture
+(:mod:`reco_megatron.megatron.model.config`); :func:`transformer_config` turns
 the config plus the parallel layout into megatron's ``TransformerConfig`` (reused, not
 mirrored), and :func:`build_model` builds the ``GPTModel`` of this pipeline stage: RMSNorm,
 SwiGLU, RoPE with the family's base and Llama-3 scaling, grouped-query attention with an
 optional decoupled head width, QKV bias for Qwen2, per-head RMSNorm of queries and keys for
-Qwen3, MoE layers (:mod:`reco_megatron.megatron.moe`) for Qwen3-MoE, tied or untied
+Qwen3, MoE layers (:mod:`reco_megatron.megatron.model.moe`) for Qwen3-MoE, tied or untied
 embeddings, vocabulary padded to a multiple of ``make_vocab_size_divisible_by * TP``. The
 output layer keeps ``parallel_output=True``: logits stay vocabulary-sharded, ``[B, S, V/TP]``,
 and the statistics op upcasts them chunk by chunk.
@@ -15,7 +14,7 @@ and the statistics op upcasts them chunk by chunk.
 The layer spec and megatron's fusions are chosen together by :func:`layer_backend`: on GPU
 with transformer-engine importable, the TE spec with the fusions on; otherwise (CPU, or GPU
 without TE) megatron's local spec with every fusion off (they need kernels only TE/apex
-provide) and its torch norms replaced by :class:`reco_megatron.megatron.norm.
+provide) and its torch norms replaced by :class:`reco_megatron.megatron.model.norm.
 SequenceParallelNorm` (parameter-dtype weights, fp32 statistics, parameters marked for the
 tensor-parallel gradient sum), so ``parallel.sequence_parallel`` works without TE too.
 The family's QK layernorm and MoE layers come from the same spec call (local
@@ -24,170 +23,19 @@ The family's QK layernorm and MoE layers come from the same spec call (local
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 
-from reco_megatron.megatron.moe import MoEConfig, moe_transformer_kwargs
+from reco_megatron.megatron.model.config import DTYPES, ModelConfig
+from reco_megatron.megatron.model.moe import moe_transformer_kwargs
 from reco_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
 LayerBackend = Literal["transformer_engine", "local"]
 _warned: set[str] = set()
-
-Family = Literal["llama", "qwen2", "qwen3", "qwen3_moe"]
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(frozen=True)
-class FamilyTraits:
-    """What a model family adds to the common decoder (RMSNorm, SwiGLU, RoPE, GQA)."""
-
-    qkv_bias: bool
-    """Bias on the fused QKV projection (Qwen2)."""
-    qk_layernorm: bool
-    """RMSNorm over each query and key head before RoPE (Qwen3)."""
-    moe: bool
-    """Mixture-of-experts MLPs: ``model.moe`` is required (and refused otherwise)."""
-
-
-FAMILIES: dict[str, FamilyTraits] = {
-    "llama": FamilyTraits(qkv_bias=False, qk_layernorm=False, moe=False),
-    "qwen2": FamilyTraits(qkv_bias=True, qk_layernorm=False, moe=False),
-    "qwen3": FamilyTraits(qkv_bias=False, qk_layernorm=True, moe=False),
-    "qwen3_moe": FamilyTraits(qkv_bias=False, qk_layernorm=True, moe=True),
-}
-"""The families :class:`ModelConfig` builds, by their HF ``model_type``."""
-
-
-@dataclass(kw_only=True)
-class ModelConfig:
-    """Architecture of a decoder of one of :data:`FAMILIES` (names follow HF ``config.json``)."""
-
-    family: Family = "llama"
-    """``llama`` (no biases), ``qwen2`` (bias on the QKV projection), ``qwen3`` (QK
-    layernorm) or ``qwen3_moe`` (QK layernorm, mixture-of-experts layers: set ``moe``)."""
-    num_layers: int = 2
-    """Transformer layers (HF ``num_hidden_layers``)."""
-    hidden_size: int = 64
-    """Model width."""
-    ffn_hidden_size: int = 176
-    """SwiGLU inner width (HF ``intermediate_size``)."""
-    num_attention_heads: int = 4
-    """Query heads; ``hidden_size`` must be divisible by it."""
-    num_query_groups: int | None = None
-    """Key/value heads for grouped-query attention (HF ``num_key_value_heads``); None = MHA."""
-    kv_channels: int | None = None
-    """Width of one attention head (HF ``head_dim``) when it is not ``hidden_size /
-    num_attention_heads`` (Qwen3: 128 at every size); None = that quotient."""
-    vocab_size: int = 128
-    """True vocabulary size (the tokenizer's); padded internally for tensor parallelism."""
-    max_position_embeddings: int = 512
-    """Longest sequence (prompt + response) the model is used with."""
-    rotary_base: float = 10000.0
-    """RoPE base (HF ``rope_theta``): 500000 for Llama 3, 10000 for Qwen2.5-Math."""
-    rope_scaling_factor: float | None = None
-    """Llama-3.1 RoPE scaling factor (8.0 for Llama-3.1); None disables scaling."""
-    norm_epsilon: float = 1e-5
-    """RMSNorm epsilon (HF ``rms_norm_eps``)."""
-    tie_word_embeddings: bool = False
-    """Share the input embedding and output layer (Qwen2.5-1.5B: true; Llama-3.1-8B: false)."""
-    make_vocab_size_divisible_by: int = 128
-    """Megatron pads the vocabulary to a multiple of this times TP (padded logits are ignored)."""
-    params_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Parameter dtype of the model (bf16 on GPU with fp32 main weights in the optimizer)."""
-    init_method_std: float = 0.02
-    """Std of the normal initialisation of new weights (overwritten when loading a checkpoint)."""
-    moe: MoEConfig | None = None
-    """The mixture-of-experts layers (family ``qwen3_moe``); null for dense families."""
-
-    def __post_init__(self) -> None:
-        if isinstance(self.moe, dict):  # from meta.json / asdict
-            self.moe = MoEConfig(**self.moe)
-        if self.family not in FAMILIES:
-            raise ValueError(f"family must be one of {sorted(FAMILIES)}, got {self.family!r}")
-        if self.traits.moe and self.moe is None:
-            raise ValueError(
-                f"family {self.family!r} has mixture-of-experts layers: set model.moe "
-                "(num_experts, router_topk, ffn_hidden_size, ...)"
-            )
-        if not self.traits.moe and self.moe is not None:
-            raise ValueError(
-                f"model.moe is set but family {self.family!r} is dense; use family "
-                "'qwen3_moe' for a mixture-of-experts model, or remove model.moe"
-            )
-        for name in (
-            "num_layers",
-            "hidden_size",
-            "ffn_hidden_size",
-            "num_attention_heads",
-            "vocab_size",
-            "max_position_embeddings",
-            "make_vocab_size_divisible_by",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        kv = self.kv_channels
-        if kv is not None and (isinstance(kv, bool) or not isinstance(kv, int) or kv < 1):
-            raise ValueError(f"kv_channels (HF head_dim) must be a positive integer, got {kv!r}")
-        if kv is None and self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
-                f"{self.num_attention_heads}: pick a head count that divides the width, or set "
-                "kv_channels (HF head_dim)"
-            )
-        groups = self.query_groups
-        if groups < 1 or self.num_attention_heads % groups:
-            raise ValueError(
-                f"num_query_groups={self.num_query_groups} must divide num_attention_heads="
-                f"{self.num_attention_heads}"
-            )
-        if self.params_dtype not in DTYPES:
-            raise ValueError(
-                f"params_dtype must be one of {list(DTYPES)}, got {self.params_dtype!r}"
-            )
-        if self.rope_scaling_factor is not None and self.rope_scaling_factor <= 0:
-            raise ValueError(
-                f"rope_scaling_factor must be > 0 or null, got {self.rope_scaling_factor}"
-            )
-
-    @property
-    def query_groups(self) -> int:
-        """Number of key/value heads (``num_attention_heads`` without GQA)."""
-        return self.num_query_groups or self.num_attention_heads
-
-    @property
-    def traits(self) -> FamilyTraits:
-        """What this family adds to the common decoder."""
-        return FAMILIES[self.family]
-
-    @property
-    def head_dim(self) -> int:
-        """Width of one attention head (``kv_channels``, else hidden / heads)."""
-        return self.kv_channels or self.hidden_size // self.num_attention_heads
-
-    def padded_vocab_size(self, tp: int) -> int:
-        """Megatron's padded vocabulary: a multiple of ``make_vocab_size_divisible_by * tp``."""
-        step = self.make_vocab_size_divisible_by * tp
-        return int(math.ceil(self.vocab_size / step) * step)
-
-    def check_tensor_parallel(self, tp: int) -> None:
-        """Raise with what to change when the heads cannot be split over ``tp`` ranks."""
-        if self.num_attention_heads % tp:
-            raise ValueError(
-                f"num_attention_heads={self.num_attention_heads} is not divisible by "
-                f"tensor_model_parallel_size={tp}: use a TP size that divides the head count"
-            )
-        if self.query_groups % tp:
-            raise ValueError(
-                f"num_query_groups={self.query_groups} (key/value heads) is not divisible by "
-                f"tensor_model_parallel_size={tp}: use TP <= {self.query_groups} dividing it"
-            )
 
 
 def _transformer_engine_importable() -> bool:
@@ -224,7 +72,7 @@ def transformer_config(model: ModelConfig, parallel: Any, on_gpu: bool) -> Any:
 
     ``parallel`` is a :class:`reco_megatron.megatron.parallel.ParallelConfig`. The loss
     contract is per-token (``calculate_per_token_loss=True``): see
-    :mod:`reco_megatron.megatron.loss_layer`.
+    :mod:`reco_megatron.megatron.step.loss_layer`.
     """
     from megatron.core.transformer import TransformerConfig
 
@@ -314,7 +162,7 @@ def _layer_spec(model: ModelConfig, config: Any, on_gpu: bool, vp_stage: int | N
 
     With transformer-engine: megatron's TE layer spec (TE's norms handle sequence
     parallelism). Without: megatron's local layer spec with
-    :class:`~reco_megatron.megatron.norm.SequenceParallelNorm` in place of its torch norms, in
+    :class:`~reco_megatron.megatron.model.norm.SequenceParallelNorm` in place of its torch norms, in
     every layer and as the block's final norm (which megatron would otherwise take from a
     module-level default), so the same spec runs with and without ``sequence_parallel``.
     The family's QK layernorm and MoE layers (local experts, no grouped GEMM) come from
@@ -326,7 +174,7 @@ def _layer_spec(model: ModelConfig, config: Any, on_gpu: bool, vp_stage: int | N
         get_num_layers_to_build,
     )
 
-    from reco_megatron.megatron.norm import SequenceParallelNorm
+    from reco_megatron.megatron.model.norm import SequenceParallelNorm
 
     family = {
         "num_experts": model.moe.num_experts if model.moe is not None else None,

@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from reco_megatron.megatron.batch import RolloutBatch
-from reco_megatron.megatron.dp_balance import balance_across_ranks, common_count
-from reco_megatron.megatron.loss_layer import LossContext, make_forward_step
-from reco_megatron.megatron.microbatching import (
+from reco_megatron.megatron.step.batch import RolloutBatch
+from reco_megatron.megatron.step.dp_balance import balance_across_ranks, common_count
+from reco_megatron.megatron.step.loss_layer import LossContext, make_forward_step
+from reco_megatron.megatron.step.microbatching import (
     MicroBatchPlan,
     budget_plan,
     fixed_plan,
@@ -29,7 +29,7 @@ from reco_megatron.megatron.microbatching import (
     split_to,
     take_rows,
 )
-from reco_megatron.megatron.packing import (
+from reco_megatron.megatron.step.packing import (
     PackedMicroBatch,
     make_packed_forward_step,
     pack_layout,

@@ -39,8 +39,8 @@ from typing import Any
 import torch
 
 from reco_megatron.algo import LossConfig, TokenStats, policy_loss
-from reco_megatron.megatron.batch import RolloutBatch
 from reco_megatron.megatron.device import check_on_device
+from reco_megatron.megatron.step.batch import RolloutBatch
 from reco_megatron.parallel import vocab_parallel_stats
 from reco_megatron.parallel.linear_loss import vocab_parallel_linear_loss
 from reco_megatron.parallel.linear_stats import vocab_parallel_linear_stats
@@ -62,7 +62,7 @@ class LossContext:
     output_weight: torch.Tensor | None = None
     """With the fused layer: this micro-batch's output weight ``[V/TP, H]``."""
     packed: Any = None
-    """With packed sequences (``megatron/packing.py``): the packed labels ``[1, T]`` and the
+    """With packed sequences (``megatron/step/packing.py``): the packed labels ``[1, T]`` and the
     layout; the statistics run on the packed row and come back as ``[B, S]``."""
     fused_block_tokens: int | None = None
     """With the fused layer: tokens whose logits exist at a time (None: the op's default)."""
@@ -263,7 +263,7 @@ def make_forward_step(
         # excluded by the loss mask.
         output = model(mb.input_ids, position_ids, None)
         if ctx.fused_output_layer:
-            from reco_megatron.megatron.model import output_weight
+            from reco_megatron.megatron.model.build import output_weight
 
             return output, partial(loss_func, mb, replace(ctx, output_weight=output_weight(model)))
         return output, partial(loss_func, mb, ctx)

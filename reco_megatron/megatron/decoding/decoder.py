@@ -33,12 +33,13 @@ Sequence parallelism: a decode step feeds one position per row, which cannot be 
 TP group, and megatron-core's inference path runs dense layers without it (its own controller
 switches it off for MoE models the same way, ``set_model_to_sequence_parallel``). The decoder
 therefore switches it off for the duration of :meth:`MegatronDecoder.decode`
-(:func:`sequence_parallel_off`: the config flag and the modules' copies of it, restored after)
-and runs the plain tensor-parallel forward, which computes the same function of the same
-weights; the training passes keep sequence parallelism.
+(:func:`~reco_megatron.megatron.decoding.sequence_parallel.sequence_parallel_off`: the config
+flag and the modules' copies of it, restored after) and runs the plain tensor-parallel forward,
+which computes the same function of the same weights; the training passes keep sequence
+parallelism.
 
 Mixture-of-experts models: with ``routing`` (the trainer's
-:class:`~reco_megatron.megatron.routing.MoERouting`) the decoder records which experts every
+:class:`~reco_megatron.megatron.model.routing.MoERouting`) the decoder records which experts every
 fed position was routed to in every layer and returns them per row (``Decoded.routed_experts``,
 ``[positions, layers, top-k]``, ``-1`` where a position was never fed: the last sampled token)
 for routing replay; pipeline stages exchange their layers' records at the end. With expert
@@ -51,57 +52,20 @@ the same for a whole call a rank has no rows for).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from reco_megatron.megatron.decoding.sequence_parallel import sequence_parallel_off
 from reco_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
 SampleFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 """``sample(logits [b, V] fp32, uniforms [b] fp64) -> (tokens [b] long, logprobs [b] fp32)``."""
-
-
-_SP_ATTRIBUTES = ("sequence_parallel", "scatter_to_sequence_parallel", "reduce_scatter_embeddings")
-"""What megatron-core's modules copy from ``config.sequence_parallel`` at construction
-(``ColumnParallelLinear``/``RowParallelLinear``, the embedding and its vocabulary-parallel
-table): the attributes ``megatron.core.transformer.utils.set_model_to_sequence_parallel``
-switches."""
-
-
-@contextmanager
-def sequence_parallel_off(model: Any) -> Iterator[None]:
-    """Run ``model`` (a ``GPTModel`` chunk) without sequence parallelism inside the block.
-
-    Sets ``model.config.sequence_parallel`` (shared by every module of the chunk) and each
-    module's own copy (:data:`_SP_ATTRIBUTES`) to False, and restores every value it changed
-    on exit, exception or not. A no-op when sequence parallelism is off. Only for forward
-    passes that leave no gradients (decoding): parameters keep their marks.
-    """
-    config = model.config
-    if not getattr(config, "sequence_parallel", False):
-        yield
-        return
-    saved = [
-        (module, name, vars(module)[name])
-        for module in model.modules()
-        for name in _SP_ATTRIBUTES
-        if name in vars(module)
-    ]
-    try:
-        config.sequence_parallel = False
-        for module, name, _ in saved:
-            setattr(module, name, False)
-        yield
-    finally:
-        config.sequence_parallel = True
-        for module, name, value in saved:
-            setattr(module, name, value)
 
 
 @dataclass(frozen=True)
@@ -126,7 +90,7 @@ class MegatronDecoder:
         max_model_len: longest ``prompt + response``; sizes the KV cache.
         max_batch_size: rows per forward; sizes the KV cache.
         pad_id: token fed by rows that already finished (never read: it follows the stop).
-        routing: the policy's :class:`~reco_megatron.megatron.routing.MoERouting` (MoE
+        routing: the policy's :class:`~reco_megatron.megatron.model.routing.MoERouting` (MoE
             models); with ``record_routing`` the decoder returns the routed experts.
         record_routing: record each position's experts (routing replay).
     """
@@ -339,7 +303,7 @@ class MegatronDecoder:
         stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.long)
         routed = None
         if self.routing is not None:
-            from reco_megatron.megatron.routing import MISSING, routed_dtype
+            from reco_megatron.megatron.model.replay_hook import MISSING, routed_dtype
 
             layers = len(self.routing.routers)
             routed = torch.full(

@@ -13,7 +13,7 @@ are no-ops, group sizes and ranks are real). The counts are exact: sharding, voc
 padding, the embedding on the first stage and the output layer on the last, replicated norms,
 gradient-buffer padding and the optimizer's DP sharding are megatron's.
 
-This is what ``trainer/memory.py``'s estimate is checked against
+This is what ``megatron/memory/estimate.py``'s estimate is checked against
 (``tests/trainer/test_memory_census.py``; ``python -m reco_megatron.trainer.memory --measure``).
 
 Run it in a process with no process group yet (it starts and destroys its own); the CPU
@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 
 from reco_megatron.megatron.distributed import ParallelConfig
-from reco_megatron.megatron.model import ModelConfig
-from reco_megatron.megatron.optimizer import OptimConfig
+from reco_megatron.megatron.model.config import ModelConfig
+from reco_megatron.megatron.model.optimizer import OptimConfig
 
 
 @dataclass(frozen=True)
@@ -111,8 +111,8 @@ def measure_rank_state(
     from reco_megatron.megatron.compat import versions as compat
     from reco_megatron.megatron.compat.cpu_backend import enable_cpu_backend
     from reco_megatron.megatron.compat.cpu_patches import allocations_on_meta
-    from reco_megatron.megatron.model import build_model, transformer_config
-    from reco_megatron.megatron.optimizer import build_optimizer, wrap_ddp
+    from reco_megatron.megatron.model.build import build_model, transformer_config
+    from reco_megatron.megatron.model.optimizer import build_optimizer, wrap_ddp
 
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     if not 0 <= pipeline_stage < pp:

@@ -107,7 +107,7 @@ def moe_transformer_kwargs(moe: MoEConfig, parallel: Any) -> dict[str, Any]:
     """The ``TransformerConfig`` fields of the MoE layers (megatron-core 0.16 and 0.19).
 
     ``parallel`` is the :class:`~reco_megatron.megatron.distributed.ParallelConfig`. Routing
-    replay needs no field here: :mod:`reco_megatron.megatron.routing` gives each router its
+    replay needs no field here: :mod:`reco_megatron.megatron.model.routing` gives each router its
     replay hook after the model is built.
     """
     kwargs: dict[str, Any] = dict(

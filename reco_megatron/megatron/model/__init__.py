@@ -1,0 +1,2 @@
+"""The model: its config and family table, the megatron-core build (dense and MoE blocks, the
+sequence-parallel norm), MoE routing replay and the distributed optimizer."""

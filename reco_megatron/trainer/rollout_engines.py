@@ -1,0 +1,149 @@
+"""Building the run's rollout engine (``rollout.engine``: ``embedded``, ``vllm`` or
+``megatron``) and what it needs: the sampling settings, the weight names every push must
+carry, vLLM's model directory and its colocation memory check.
+
+The engines that hold their own weights come from the one factory training and evaluation
+share (:func:`reco_megatron.rollout.engines.build_engine`); the ``megatron`` engine decodes on
+the trainer's own chunks and is built here, where the adapter may be imported.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from reco_megatron.data.tokenizer import Tokenizer
+from reco_megatron.megatron import (
+    ReCoEngine,
+    compute_device,
+    hf_config_from_model_config,
+    hf_shapes,
+)
+from reco_megatron.rollout.base import RolloutEngine, SamplingParams
+from reco_megatron.rollout.engines import build_engine
+from reco_megatron.trainer.config import TrainConfig
+from reco_megatron.trainer.weight_sync import RolloutClient
+from reco_megatron.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+
+def build_rollout_engine(
+    cfg: TrainConfig,
+    tokenizer: Tokenizer,
+    device: torch.device | str | None = None,
+    policy: ReCoEngine | None = None,
+) -> RolloutClient:
+    """The configured engine (``embedded``, ``vllm`` or ``megatron``) for the policy.
+
+    ``device``: where the embedded engine runs (the training engine's ``engine.device``;
+    None: :func:`~reco_megatron.megatron.device.compute_device`). vLLM places itself.
+    ``policy`` is the trainer's :class:`reco_megatron.megatron.step.engine.ReCoEngine`; the
+    ``megatron`` engine decodes on its chunks (required for it, unused by the others)."""
+    r = cfg.rollout
+    eos = (tokenizer.eos_id,)
+    sampling = SamplingParams(
+        temperature=r.temperature,
+        top_p=r.top_p,
+        max_new_tokens=r.max_new_tokens,
+        stop_token_ids=eos,
+    )
+    expected = {name: tuple(shape) for name, shape in hf_shapes(cfg.model).items()}
+    hf_config = hf_config_from_model_config(cfg.model)
+    hf_config["eos_token_id"] = tokenizer.eos_id
+    hf_config["pad_token_id"] = tokenizer.pad_id
+    max_len = r.max_prompt_len + r.max_new_tokens
+    if r.engine == "megatron":
+        return RolloutClient(_megatron_engine(cfg, policy, max_len, eos), sampling)
+    model_dir = None
+    if r.engine == "vllm":
+        warn_if_colocation_overflows(cfg)
+        model_dir = write_rollout_model_dir(cfg, hf_config)
+    engine = build_engine(
+        r.engine,
+        hf_config=hf_config,
+        model_dir=model_dir,
+        checkpoint=False,  # the weights come from the first sync_weights
+        max_model_len=max_len,
+        eos_token_ids=eos,
+        seed=cfg.trainer.seed,
+        device=str(device if device is not None else compute_device()),
+        max_batch_size=r.max_batch_size,
+        tensor_parallel_size=cfg.parallel.tensor_model_parallel_size,
+        gpu_memory_utilization=r.gpu_memory_utilization,
+        dtype=cfg.model.params_dtype,
+        return_routed_experts=cfg.update.routing_replay != "off",
+    )
+    return RolloutClient(engine, sampling, expected)
+
+
+def warn_if_colocation_overflows(cfg: TrainConfig) -> list[str]:
+    """Log a warning per phase of the step whose estimated peak exceeds this GPU
+    (:mod:`reco_megatron.megatron.memory.estimate`); returns the messages (none without CUDA)."""
+    if not torch.cuda.is_available():
+        return []
+    from reco_megatron.megatron import colocation_budget, colocation_warnings
+
+    par = cfg.parallel
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    model_parallel = (
+        par.tensor_model_parallel_size
+        * par.pipeline_model_parallel_size
+        * par.context_parallel_size
+    )
+    budget = colocation_budget(
+        cfg.model,
+        par,
+        data_parallel_size=max(1, world // model_parallel),
+        max_seq_len=cfg.rollout.max_prompt_len + cfg.rollout.max_new_tokens,
+        gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+        gpu_bytes=torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory,
+        distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
+        reference_model=cfg.loss.kl_coef > 0,
+        tokens_per_microbatch=cfg.update.max_tokens_per_microbatch,
+    )
+    messages = colocation_warnings(budget)
+    for message in messages:
+        logger.warning("vLLM colocation: %s", message)
+    return messages
+
+
+def _megatron_engine(
+    cfg: TrainConfig, policy: ReCoEngine | None, max_len: int, eos: tuple[int, ...]
+) -> RolloutEngine:
+    """The megatron engine on ``policy``'s chunks (it satisfies the protocol structurally:
+    ``reco_megatron.rollout`` never imports megatron, the adapter takes the decoder)."""
+    from reco_megatron.megatron import MegatronDecoder
+    from reco_megatron.rollout.megatron_engine import MegatronEngine, MegatronEngineConfig
+
+    if policy is None:
+        raise ValueError("rollout.engine=megatron needs the trainer's engine (policy=...)")
+    decoder = MegatronDecoder(
+        policy.unwrapped(),
+        vocab_size=cfg.model.vocab_size,
+        max_model_len=max_len,
+        max_batch_size=cfg.rollout.max_batch_size,
+        pad_id=eos[0],
+        routing=policy.routing,
+        record_routing=cfg.update.routing_replay != "off",
+    )
+    return MegatronEngine(decoder, MegatronEngineConfig(seed=cfg.trainer.seed, eos_token_ids=eos))
+
+
+def write_rollout_model_dir(cfg: TrainConfig, hf_config: dict[str, Any]) -> Path:
+    """``<output_dir>/rollout_model/config.json``: the policy architecture vLLM builds (with
+    dummy weights, replaced by the first :func:`sync_weights`). Written by global rank 0."""
+    import json
+
+    out = Path(cfg.trainer.output_dir) / "rollout_model"
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = out / "config.json.tmp"
+        tmp.write_text(json.dumps(hf_config, indent=1, sort_keys=True))
+        tmp.replace(out / "config.json")
+    if dist.is_initialized():
+        dist.barrier()
+    return out
