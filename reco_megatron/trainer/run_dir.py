@@ -163,7 +163,7 @@ def take_run_directory(out_dir: str | Path, rank: int) -> tuple[RunLock | None, 
     a run directory, not writable). Returns ``(the held lock on rank 0, None elsewhere;
     the run id)``."""
     from reco_megatron.config import ConfigError
-    from reco_megatron.megatron.checkpoint.collective import from_rank0
+    from reco_megatron.megatron import from_rank0
 
     lock, outcome = None, None
     if rank == 0:
