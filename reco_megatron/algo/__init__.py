@@ -5,6 +5,7 @@ tensor function testable in one CPU process. Formulas and conventions: ``docs/lo
 """
 
 from reco_megatron.algo.advantages import group_advantages
+from reco_megatron.algo.aggregation import aggregate
 from reco_megatron.algo.config import (
     PER_TOKEN_WEIGHT_MODES,
     PRESETS,
@@ -14,7 +15,7 @@ from reco_megatron.algo.config import (
 )
 from reco_megatron.algo.metrics import merge_metrics, reduction_of
 from reco_megatron.algo.passk import diversity_metrics, pass_at_k
-from reco_megatron.algo.policy_loss import aggregate, c_growth, policy_loss
+from reco_megatron.algo.policy_loss import c_growth, policy_loss
 from reco_megatron.algo.ratios import TokenRatio, token_ratio
 from reco_megatron.algo.token_stats import TokenStats, token_stats_reference
 from reco_megatron.algo.weights import response_weights

@@ -99,11 +99,7 @@ class Trainer:
         self.resume = ResumeCheck(cfg, self.config_plain, self.out, self.rank)
         self.tokenizer = checked.tokenizer
         if checked.dataset is None:
-            train_path, _ = setup.ensure_countdown_data(
-                self.out / "data", cfg.data.countdown, cfg.trainer.seed
-            )
-            dist.barrier()
-            checked.dataset = setup.load_prompts(train_path, cfg.prompt_dataset(), self.tokenizer)
+            checked.dataset = setup.countdown_prompts(self.out, cfg, self.tokenizer)
         self.dataset = checked.dataset
         self.formatter = PromptFormatter(tokenizer=self.tokenizer, template=cfg.data.template)
         self.sampler = PromptSampler(

@@ -102,6 +102,16 @@ def load_prompts(path: Path, cfg, tokenizer: Tokenizer) -> PromptDataset:
     return PromptDataset(path, cfg, tokenizer=tokenizer)
 
 
+def countdown_prompts(out: Path, cfg: TrainConfig, tokenizer: Tokenizer) -> PromptDataset:
+    """The training split of the countdown task under ``out/data`` (generated once by global
+    rank 0 while the others wait), loaded as the prompt dataset. Collective."""
+    import torch.distributed as dist
+
+    train_path, _ = ensure_countdown_data(out / "data", cfg.data.countdown, cfg.trainer.seed)
+    dist.barrier()
+    return load_prompts(train_path, cfg.prompt_dataset(), tokenizer)
+
+
 def sft_batches(
     tokenizer: Tokenizer,
     template: str,
