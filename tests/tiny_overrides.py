@@ -16,5 +16,5 @@ TINY_RUN = [
     "data.countdown.n_train=64",
     "data.countdown.n_eval=8",
     "trainer.progress=false",
-    "trainer.tensorboard=false",
+    "trainer.loggers=[]",
 ]

@@ -62,7 +62,7 @@ COMMON = [
     "data.countdown.n_train=64",
     "data.countdown.n_eval=8",
     "trainer.progress=false",
-    "trainer.tensorboard=false",
+    "trainer.loggers=[]",
     "checkpoint.save_interval=0",
 ]
 PHASES = ("time_rollout", "time_reward", "time_old_logprob", "time_train", "time_sync")

@@ -110,7 +110,7 @@ def _train_cmd(out: Path, overrides: list[str]) -> list[str]:
         str(CONFIG),
         f"trainer.output_dir={out}",
         "trainer.progress=false",
-        "trainer.tensorboard=false",
+        "trainer.loggers=[]",
         *overrides,
     ]
 

@@ -238,7 +238,7 @@ def build_dataclass(
     for key in value:
         if key not in known:
             valid = [*names, preset] if preset is not None else names
-            problems.add((*path, str(key)), unknown_key_message(key, valid, path))
+            problems.add((*path, str(key)), unknown_key_message(key, valid, path, cls))
             ok = False
     kwargs: dict[str, Any] = {}
     for field in fields:

@@ -65,8 +65,15 @@ def did_you_mean(word: str, choices: Sequence[str]) -> str:
     return f"did you mean {' or '.join(repr(m) for m in matches)}? "
 
 
-def unknown_key_message(key: object, valid: Sequence[str], section: ConfigPath) -> str:
-    """The message for a key that names no field of ``section``, with a suggestion."""
+def unknown_key_message(
+    key: object, valid: Sequence[str], section: ConfigPath, section_type: Any = None
+) -> str:
+    """The message for a key that names no field of ``section``, with a suggestion; for a key
+    the section's class lists in ``REPLACED_KEYS`` (one that older configs had), what
+    replaced it."""
+    replaced = getattr(section_type, "REPLACED_KEYS", {}).get(str(key))
+    if replaced is not None:
+        return f"key {str(key)!r} is no longer read: {replaced}"
     where = f"'{format_path(section)}'" if section else "the top level"
     listing = ", ".join(sorted(valid)) if valid else "(none)"
     hint = did_you_mean(str(key), valid)

@@ -115,7 +115,7 @@ def apply_override(raw: dict[str, Any], cls: type, override: Override, problems:
                 return
             if part not in fields:
                 valid = [*fields, *filter(None, [preset_key(section)])]
-                message = unknown_key_message(part, valid, path)
+                message = unknown_key_message(part, valid, path, section)
                 problems.add((*path, part), f"{message} (in override {override.text!r})")
                 return
             next_tp = type_hints(section)[part]

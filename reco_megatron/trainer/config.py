@@ -9,7 +9,7 @@ with a suggestion; every value is type-checked). Scaling a run from 8B to 70B ch
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import ClassVar, Literal
 
 from reco_megatron.algo import LossConfig
 from reco_megatron.data.dataset import DatasetConfig
@@ -173,6 +173,11 @@ class SFTConfig:
 class TrainerConfig:
     """The loop."""
 
+    REPLACED_KEYS: ClassVar[dict[str, str]] = {
+        "tensorboard": "trainer.loggers chooses the trackers: leave 'tensorboard' out of it "
+        "(trainer.loggers=[] for none) and delete trainer.tensorboard",
+    }
+
     max_steps: int = 10
     """Rollout steps (each: generate, score, old-policy pass, mini-batch updates, sync)."""
     seed: int = 1234
@@ -188,9 +193,6 @@ class TrainerConfig:
     directory's)."""
     log_interval: int = 1
     """Steps between log lines (metrics.jsonl gets every step)."""
-    tensorboard: bool = True
-    """``false`` turns the ``tensorboard`` logger off even when ``loggers`` lists it (and its
-    "not installed" note); older configs set it."""
     progress: bool = True
     """A progress bar on rank 0 (tqdm or rich when installed)."""
     allow_config_change: bool = False

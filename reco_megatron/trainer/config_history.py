@@ -56,7 +56,7 @@ SAFE_ON_RESUME: tuple[str, ...] = (
     "trainer.max_steps",
     "trainer.output_dir",
     "trainer.log_interval",
-    "trainer.tensorboard",
+    "trainer.tensorboard",  # a key of older configs (trainer.loggers replaced it)
     "trainer.progress",
     "trainer.loggers",
     "trainer.project",

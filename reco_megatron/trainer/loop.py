@@ -163,7 +163,6 @@ class Trainer:
             MetricsWriter(
                 self.out,
                 cfg.trainer.max_steps,
-                tensorboard=cfg.trainer.tensorboard,
                 loggers=cfg.trainer.loggers,
                 project=cfg.trainer.project,
                 run_config=self.config_plain,

@@ -39,7 +39,6 @@ class MetricsWriter:
         output_dir: Path,
         total_steps: int,
         *,
-        tensorboard: bool,
         progress: bool,
         initial_step: int = 0,
         log_interval: int = 1,
@@ -50,9 +49,7 @@ class MetricsWriter:
         self.path = output_dir / "metrics.jsonl"
         self.output_dir = output_dir
         names = list(loggers)
-        if not tensorboard:
-            names = [n for n in names if n != "tensorboard"]
-        elif "tensorboard" in names and loggers_mod.missing(["tensorboard"]):
+        if "tensorboard" in names and loggers_mod.missing(["tensorboard"]):
             logger.info("tensorboard is not installed: its logger is off (pip install tensorboard)")
             names.remove("tensorboard")
         self._loggers = loggers_mod.build_loggers(

@@ -122,6 +122,22 @@ def test_unknown_override_key_gets_the_same_suggestion() -> None:
     assert "did you mean 'rollout'?" in _one(None, ("rolout.group_size=2",))
 
 
+def test_a_replaced_key_says_what_replaced_it() -> None:
+    """A key older configs had (``REPLACED_KEYS`` of its section) is refused with the key that
+    replaced it, in a file and in an override alike, instead of a plain "unknown key"."""
+    from reco_megatron.trainer.config import TrainConfig
+
+    for source, overrides in (
+        ({"trainer": {"tensorboard": False}}, ()),
+        (None, ("trainer.tensorboard=false",)),
+    ):
+        with pytest.raises(ConfigError) as info:
+            load_config(TrainConfig, source, overrides)
+        (text,) = info.value.problems
+        assert text.startswith("trainer.tensorboard: key 'tensorboard' is no longer read: ")
+        assert "trainer.loggers=[] for none" in text and "unknown key" not in text
+
+
 def test_bad_override_value_names_the_override() -> None:
     text = _one(None, ("loss.eps_high=abc",))
     assert text == (

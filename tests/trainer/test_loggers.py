@@ -24,7 +24,6 @@ def _write(tmp_path: Path, names: list[str]) -> Path:
     writer = MetricsWriter(
         out,
         3,
-        tensorboard=True,
         progress=False,
         loggers=names,
         project="reco-test",

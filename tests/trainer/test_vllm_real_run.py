@@ -47,7 +47,7 @@ RUN = [
     "trainer.max_steps=2",
     "checkpoint.save_interval=0",
     "trainer.progress=false",
-    "trainer.tensorboard=false",
+    "trainer.loggers=[]",
 ]
 
 
