@@ -8,7 +8,7 @@ with a suggestion; every value is type-checked). Scaling a run from 8B to 70B ch
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields
 from typing import ClassVar, Literal
 
 from reco_megatron.algo import LossConfig
@@ -125,6 +125,19 @@ class CountdownConfig:
 
 
 @dataclass(kw_only=True)
+class PromptFilesConfig(DatasetConfig):
+    """:class:`DatasetConfig` as the trainer's ``data.dataset``: everything but the longest
+    prompt kept, which is ``rollout.max_prompt_len`` (one key for the rollouts, the prompt
+    files and the held-out set)."""
+
+    REPLACED_KEYS: ClassVar[dict[str, str]] = {
+        "max_prompt_len": "rollout.max_prompt_len is the longest prompt kept (rollouts, prompt "
+        "files, held-out set): set it there and delete data.dataset.max_prompt_len",
+    }
+    max_prompt_len: int | None = field(default=None, init=False)
+
+
+@dataclass(kw_only=True)
 class DataConfig:
     """Prompt files and the tokenizer."""
 
@@ -136,10 +149,9 @@ class DataConfig:
     """A SentencePiece ``.model`` file or a Hugging Face tokenizer directory."""
     template: str = "{prompt}\n"
     """Prompt template when the tokenizer has no chat template."""
-    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    dataset: PromptFilesConfig = field(default_factory=lambda: PromptFilesConfig())
     """Field names and bad-row policy of the prompt files. The longest prompt kept is
-    ``rollout.max_prompt_len`` (:meth:`TrainConfig.prompt_dataset`): leave
-    ``data.dataset.max_prompt_len`` unset."""
+    ``rollout.max_prompt_len`` (:meth:`TrainConfig.prompt_dataset`)."""
     countdown: CountdownConfig = field(default_factory=CountdownConfig)
     """The synthetic task used when ``train_path`` is empty (and by the SFT warm-up)."""
 
@@ -293,13 +305,6 @@ class TrainConfig:
                 f"rollout.prompts_per_step={total} must be divisible by "
                 f"update.minibatches_per_rollout={n} (each mini-batch holds whole groups)"
             )
-        own = self.data.dataset.max_prompt_len
-        if own is not None and own != self.rollout.max_prompt_len:
-            raise ValueError(
-                f"data.dataset.max_prompt_len={own} differs from rollout.max_prompt_len="
-                f"{self.rollout.max_prompt_len}: the trainer keeps prompts up to "
-                "rollout.max_prompt_len; remove data.dataset.max_prompt_len"
-            )
         need = self.rollout.max_prompt_len + self.rollout.max_new_tokens
         if need > self.model.max_position_embeddings:
             raise ValueError(
@@ -314,7 +319,8 @@ class TrainConfig:
     def prompt_dataset(self) -> DatasetConfig:
         """How the trainer reads its prompt files: ``data.dataset`` with the prompt budget of
         the rollout (``rollout.max_prompt_len``, the one key for it)."""
-        return replace(self.data.dataset, max_prompt_len=self.rollout.max_prompt_len)
+        own = {f.name: getattr(self.data.dataset, f.name) for f in fields(DatasetConfig)}
+        return DatasetConfig(**{**own, "max_prompt_len": self.rollout.max_prompt_len})
 
     def _check_routing_replay(self) -> None:
         """Routing replay needs an MoE model and an engine that reports its routing."""

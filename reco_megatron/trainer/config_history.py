@@ -57,6 +57,7 @@ SAFE_ON_RESUME: tuple[str, ...] = (
     "trainer.output_dir",
     "trainer.log_interval",
     "trainer.tensorboard",  # a key of older configs (trainer.loggers replaced it)
+    "data.dataset.max_prompt_len",  # of older configs: rollout.max_prompt_len, diffed, sets it
     "trainer.progress",
     "trainer.loggers",
     "trainer.project",
@@ -129,6 +130,8 @@ def diff_configs(
             continue
         if key not in old and key in new and new[key] in (None, "", [], False):
             continue  # a key this version added, at a neutral value
+        if key in old and key not in new and old[key] in (None, "", [], False):
+            continue  # a key this version removed, which was at a neutral value
         entry = (key, old.get(key), new.get(key))
         (diff.safe if is_safe(key) else diff.trained).append(entry)
     for key in sorted(set(saved_inputs) & set(inputs)):

@@ -142,15 +142,17 @@ def test_cli_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_one_key_for_the_prompt_budget() -> None:
     """``rollout.max_prompt_len`` is the prompt budget: the trainer reads its prompt files
-    with it (the config itself is never changed), and a different
-    ``data.dataset.max_prompt_len`` is refused with the key to remove."""
-    from reco_megatron.config import ConfigError
+    with it (the config itself is never changed), and ``data.dataset.max_prompt_len``, a key
+    of older configs, is refused with the key that replaced it."""
+    from reco_megatron.config import ConfigError, config_to_dict
 
     cfg = load_config(TrainConfig, ROOT / "examples/tiny_cpu.yaml", [])
     assert cfg.prompt_dataset().max_prompt_len == cfg.rollout.max_prompt_len == 80
-    assert cfg.data.dataset.max_prompt_len is None
-    load_config(TrainConfig, ROOT / "examples/tiny_cpu.yaml", ["data.dataset.max_prompt_len=80"])
-    with pytest.raises(ConfigError, match=r"remove data\.dataset\.max_prompt_len"):
-        load_config(
-            TrainConfig, ROOT / "examples/tiny_cpu.yaml", ["data.dataset.max_prompt_len=40"]
-        )
+    assert "max_prompt_len" not in config_to_dict(cfg)["data"]["dataset"]
+    for value in (80, 40):
+        with pytest.raises(ConfigError, match=r"delete data\.dataset\.max_prompt_len"):
+            load_config(
+                TrainConfig,
+                ROOT / "examples/tiny_cpu.yaml",
+                [f"data.dataset.max_prompt_len={value}"],
+            )

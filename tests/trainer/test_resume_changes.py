@@ -37,6 +37,19 @@ def test_safe_keys_and_content_changes_are_told_apart() -> None:
         assert not is_safe(key), key
 
 
+def test_keys_an_older_config_had_resume() -> None:
+    """A checkpoint of an older release holds keys this one replaced: one at a neutral value
+    (``data.dataset.max_prompt_len: null``) is no change, one that was set
+    (``trainer.tensorboard: true``) is a safe change, logged, never a refusal."""
+    saved = {"data": {"dataset": {"max_prompt_len": None}}, "trainer": {"tensorboard": True}}
+    now: dict = {"data": {"dataset": {}}, "trainer": {}}
+    diff = diff_configs(saved, now, {}, {})
+    assert diff.safe == [("trainer.tensorboard", True, None)]
+    assert diff.trained == []
+    saved["data"]["dataset"]["max_prompt_len"] = 80
+    assert diff_configs(saved, now, {}, {}).trained == []
+
+
 def _train(out: Path, *extra: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "reco_megatron.train", "examples/tiny_cpu.yaml", *BASE]
     return subprocess.run(
