@@ -99,8 +99,10 @@ def test_local_executor_tiny_two_processes(nemorun_home: Path) -> None:
     from launch.executors import local_executor
     from launch.experiments import ablation_experiment
 
+    # NeMo-Run's local executor hands an argument with shell-special characters to torchrun
+    # still quoted ("'trainer.loggers=[]'"), so list-valued overrides stay out (docs/launch.md)
     tiny = [
-        *TINY_RUN,
+        *(o for o in TINY_RUN if "[" not in o),
         "trainer.max_steps=2",
         "sft.steps=2",
         "parallel.micro_batch_size=2",
