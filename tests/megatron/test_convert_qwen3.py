@@ -153,9 +153,12 @@ def test_import_logits_round_trip_and_export(hf_models, family, tp, ep, tmp_path
     assert torch.equal(base.hf_logits(loaded.float().eval()), ref)
     if family == "qwen3_moe":
         assert (out / "model.safetensors.index.json").is_file()  # sharded at 40 kB
-    # the embedded engine took the stream into transformers' own layout: same model
+    # the embedded engine took the stream into transformers' own layout: same model. Not bit
+    # for bit: the engine runs in a rank process (1 thread), the reference in this one, and on
+    # an AVX-512 AMD EPYC the MoE logits of the two differ by 1.4e-6 (bit-equal on the machine
+    # that first ran this); a wrong weight mapping is off by O(1)
     for res in results:
-        torch.testing.assert_close(res["engine_logits"], ref, atol=0, rtol=0)
+        torch.testing.assert_close(res["engine_logits"], ref, atol=LOGITS_ATOL, rtol=LOGITS_RTOL)
         assert res["generated"] == results[0]["generated"]
         assert all(len(ids) == 6 for group in res["generated"] for ids in group)
 
