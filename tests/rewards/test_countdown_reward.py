@@ -124,3 +124,11 @@ def test_worked_reward_keeps_the_answer_rewards_statuses() -> None:
     assert countdown_worked_reward_result("4 + 5 = 9 Answer: 3*(", WORKED_GOLD).status == (
         countdown_reward_result("Answer: 3*(", WORKED_GOLD).status
     )
+
+
+def test_worked_reward_and_its_answer_key_are_built_in() -> None:
+    from reco_megatron.rewards.registry import BUILTIN_ANSWER_KEYS, resolve_reward
+
+    assert resolve_reward("countdown_worked") is countdown_worked_reward_result
+    key = resolve_reward("countdown_worked", BUILTIN_ANSWER_KEYS, "answer key")
+    assert key(WORKED, WORKED_GOLD) == solution_key("3*(4 + 5) - 2")
