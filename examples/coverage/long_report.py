@@ -99,13 +99,15 @@ def write(
         f"- Evaluation: {args.eval_prompts} held-out problems, n = {args.n} samples each, "
         f"T = {args.temperature}, top-p = {args.top_p}, pass@k for every k = 1..{args.n} by "
         "the unbiased estimator; the same per-problem sampling seeds for every checkpoint. "
-        "Smaller than the short experiment (120 steps, 128 x 128) so that one unit takes "
-        "about a quarter of an hour on one core.",
+        "Smaller than the short experiment (120 RL steps, 128 problems x n = 128) so that one "
+        "unit (RL run and evaluation) takes a quarter of an hour or less on 2 shared cores.",
         "- Intervals: 95 % percentile bootstrap resampling the seeds (training runs) and, "
         "jointly, the held-out problems; `*` marks a paired difference whose interval "
         "excludes 0.",
-        f"- Time per trained unit (RL + evaluation, one process at nice 19 on 2 shared cores, "
-        f"CPU/gloo): {per_unit:.1f} min on average over {len(trained)} units.",
+        f"- Time per trained unit (RL with 2 threads, then the evaluation with 1, one process at "
+        f"nice 19 on 2 cores shared with other work, CPU/gloo): {per_unit:.1f} min on average "
+        f"over {len(trained)} units; the SFT base ({args.sft_steps} steps) is rebuilt once "
+        "per session.",
         "",
     ]
     if "base.json" in units:
