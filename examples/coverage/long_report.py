@@ -80,6 +80,16 @@ def write(
         "only. Each finished unit is a JSON file in `coverage_long/`; the command skips "
         "them and trains the missing ones, seed by seed, one at a time.",
         "",
+        *(
+            [
+                f"**Warning: the units come from {len(bases)} different SFT bases** (the warm-up "
+                "did not reproduce bit for bit in a later session, e.g. on another CPU); the "
+                "comparison is then within seeds trained from different starting weights.",
+                "",
+            ]
+            if len(bases) > 1
+            else []
+        ),
         "## Protocol",
         f"- Task: countdown in the `worked` style ({task}): the response writes each step "
         "`a op b = c` with the numbers that remain, then `Answer: <expression>` (38-80 tokens "
