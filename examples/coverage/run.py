@@ -12,6 +12,11 @@ The reduced version CI runs (1 seed, 2 RL steps, n = 4; checks the pipeline, not
 
     python examples/coverage/run.py --smoke --out /tmp/coverage-smoke
 
+``--style worked`` is the long-response version (``docs/results/coverage_long.md``, whose first
+line has the command): the countdown task with its steps written out, the methods of
+:data:`long_units.METHODS_LONG`, one (method, seed) unit at a time, each unit's result a small
+JSON under ``--units`` (committed), so that the same command continues it in a later session.
+
 Steps (each a subprocess of the shipped entry points, so this is also an end-to-end test):
 1. ``reco_megatron.train examples/tiny_cpu.yaml`` with ``trainer.max_steps=0``: SFT warm-up
    only, once; it writes the countdown splits and the base checkpoint.
@@ -53,6 +58,7 @@ sys.path.insert(0, str(ROOT))
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import long_units  # noqa: E402
 from write_report import write_results  # noqa: E402
 
 from reco_megatron.eval import report  # noqa: E402
@@ -157,7 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=Path("runs/coverage"))
     p.add_argument("--results", type=Path, default=None, help="default: docs/results/coverage.md")
-    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    p.add_argument("--methods", nargs="+", default=None, choices=[*METHODS, "reco_prefix"])
+    p.add_argument("--style", choices=("answer", "worked"), default="answer", help="countdown")
+    p.add_argument("--units", type=Path, default=None, help="default: docs/results/coverage_long")
+    p.add_argument("--stop-after", default="", metavar="HH:MM", help="UTC; no new unit after")
     p.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
     p.add_argument("--sft-steps", type=int, default=300)
     p.add_argument("--rl-steps", type=int, default=20)
@@ -213,6 +222,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--smoke", action="store_true", help="1 seed, tiny budget (CI)")
     args = p.parse_args(argv)
+    worked = args.style == "worked"
+    methods_table = long_units.METHODS_LONG if worked else METHODS
+    args.methods = args.methods or list(methods_table)
+    if set(args.methods) - set(methods_table):
+        p.error(f"--methods {args.methods}: --style {args.style} has {list(methods_table)}")
     if args.smoke:
         args.seeds, args.sft_steps, args.rl_steps = args.seeds[:1], 8, 2
         args.n = args.kmax = 4
@@ -241,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(curve - {f"{m}/s{s}" for m in args.methods for s in args.seeds})
     if unknown:
         p.error(f"--curve {unknown}: not among the runs (METHOD/sSEED of --methods, --seeds)")
-    task = _task_overrides(args.task, p)
+    task = _task_overrides(args.task, p) + (long_units.TASK_OVERRIDES if worked else [])
     out = args.out.resolve()
     (out / "logs").mkdir(parents=True, exist_ok=True)
     _check_same_task(out / "task.json", task, args.sft_steps)
@@ -294,13 +308,15 @@ def main(argv: list[str] | None = None) -> int:
             f"eval.num_prompts={min(args.eval_prompts, 8)}",
             *(["checkpoint.keep_last=0"] if args.keep_all or in_curve else []),
             *COMMON,
-            *METHODS[method],
+            *task[len(args.task) :],
+            *methods_table[method],
         ]
         return _run(_train_cmd(run_dir, overrides), out / "logs" / f"{method}-s{seed}.log", threads)
 
     jobs = [(m, s) for s in args.seeds for m in args.methods]
-    with ThreadPoolExecutor(args.jobs) as pool:
-        list(pool.map(rl, jobs))
+    if not worked:
+        with ThreadPoolExecutor(args.jobs) as pool:
+            list(pool.map(rl, jobs))
 
     def evaluate(label: str, step_dir: Path) -> list[dict]:
         """``reco-eval`` of one checkpoint step, cached under the protocol and step."""
@@ -310,16 +326,21 @@ def main(argv: list[str] | None = None) -> int:
                 sys.executable, "-m", "reco_megatron.evaluate", f"{label}={step_dir}",
                 "--data", str(data / "eval.jsonl"),
                 "--tokenizer", "examples/tiny/countdown_sp.model",
-                "--reward", "countdown", "--reward-workers", "1", "--n", str(args.n),
+                "--reward", long_units.REWARD if worked else "countdown",
+                "--reward-workers", "1", "--n", str(args.n),
                 "--kmax", str(args.kmax), "--limit", str(args.eval_prompts),
                 "--temperature", str(args.temperature), "--top-p", str(args.top_p),
-                "--max-new-tokens", "24", "--out", str(part), "--no-progress",
+                "--max-new-tokens", str(long_units.MAX_NEW_TOKENS if worked else 24),
+                "--out", str(part), "--no-progress",
             ]  # fmt: skip
             log = out / "logs" / f"eval-{label.replace('/', '-')}-{step_dir.name}.log"
             _run(eval_cmd, log, args.eval_threads or threads * args.jobs)
         return report.read_json(part / "passk.json")
 
     base_step = base / "checkpoints" / (base / "checkpoints" / "latest").read_text().strip()
+    if worked:
+        command = " ".join(_shown(a) for a in sys.argv[1:])
+        return long_units.main(args, protocol, base_step, rl, evaluate, out, command)
     base_entry = {**evaluate("base", base_step)[0], "rl_step": 0}
     by_budget: dict[int, list[dict]] = {}
     for budget in reversed(budgets):  # the compared budget first

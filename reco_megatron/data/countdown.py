@@ -9,6 +9,12 @@ are the same if they differ only by commutativity / associativity of ``+`` and `
 ``a-(b-c)`` == ``a-b+c``); ``3*(4+5)`` and ``3*4+3*5`` count as distinct. Several distinct
 answers per prompt is the point: pass@k and diversity metrics need room to spread.
 
+Two styles (``style``): ``answer`` (the default) teaches and asks for ``Answer: <expression>``
+only; ``worked`` writes the solution's steps first, one ``a op b = c`` per combination in the
+order the numbers are combined, each followed by the numbers still available, then the answer
+(:func:`worked_response`): responses of 50-100 tokens instead of 10-25, graded by
+``countdown_worked`` (the steps must be true and reach the target, the answer as before).
+
 Answers are checked by :func:`reco_megatron.rewards.countdown_reward` with the safe parser of
 :mod:`reco_megatron.data.arith` (never ``eval``). Write splits with::
 
@@ -24,6 +30,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, get_args
 
 from reco_megatron.utils.logging import get_logger
 
@@ -34,20 +41,38 @@ PROMPT_TEMPLATE = (
     "parentheses, write an expression that equals {target}. "
     "End your response with 'Answer: <expression>'."
 )
+WORKED_TEMPLATE = (
+    "Using the numbers {numbers}, each at most once, and the operations + - * with "
+    "parentheses, reach {target}, showing each step as 'a + b = c' with the numbers that "
+    "remain, then end your response with 'Answer: <expression>'."
+)
+"""The ``worked`` style's prompt (only characters of the shipped SentencePiece vocabulary)."""
+CountdownStyle = Literal["answer", "worked"]
+STYLES: tuple[str, ...] = get_args(CountdownStyle)
+"""The response styles of :func:`generate`."""
 _GOLD_RE = re.compile(r"target=(-?\d+) numbers=(\d+(?:,\d+)*)")
 
 
 @dataclass(frozen=True)
 class Problem:
-    """One countdown problem. ``solutions``: canonical distinct expressions (all of them)."""
+    """One countdown problem. ``solutions``: canonical distinct expressions (all of them);
+    ``style``: what the prompt asks for and the warm-up teaches (:data:`STYLES`)."""
 
     numbers: tuple[int, ...]
     target: int
     solutions: tuple[str, ...]
+    style: str = "answer"
 
     @property
     def prompt(self) -> str:
-        return PROMPT_TEMPLATE.format(numbers=list(self.numbers), target=self.target)
+        template = WORKED_TEMPLATE if self.style == "worked" else PROMPT_TEMPLATE
+        return template.format(numbers=list(self.numbers), target=self.target)
+
+    def response(self, solution: str) -> str:
+        """The warm-up's response text for one of :attr:`solutions` in this style."""
+        if self.style == "worked":
+            return worked_response(self.numbers, solution)
+        return f"Answer: {solution}"
 
     @property
     def gold(self) -> str:
@@ -135,6 +160,54 @@ def canonical(tree: tuple) -> Node:
     return ("s", tuple(sorted(_terms(a, 1) + _terms(b, 1 if kind == "+" else -1))))
 
 
+def worked_steps(node: Node) -> list[tuple[int, str, int, int]]:
+    """The steps ``(a, op, b, a op b)`` that compute a canonical node, children first, each
+    sum and product combined left to right in :func:`render`'s order (positives first).
+    ``("p", (("s", ((1, 4), (1, 5))), ("n", 3)))`` -> ``[(4, "+", 5, 9), (9, "*", 3, 27)]``."""
+    steps: list[tuple[int, str, int, int]] = []
+
+    def value_of(child: Node) -> int:
+        if child[0] != "n":
+            steps.extend(worked_steps(child))
+        return evaluate(child)
+
+    if node[0] == "n":
+        return steps
+    if node[0] == "p":
+        values = [value_of(c) for c in node[1]]
+        acc = values[0]
+        for v in values[1:]:
+            steps.append((acc, "*", v, acc * v))
+            acc *= v
+        return steps
+    terms = sorted(node[1], key=lambda t: -t[0])  # render's order: positives first
+    values = [(sign, value_of(c)) for sign, c in terms]
+    if values[0][0] < 0:
+        raise ValueError(f"a sum without a positive term has no worked form: {render(node)!r}")
+    acc = values[0][1]
+    for sign, v in values[1:]:
+        steps.append((acc, "+" if sign > 0 else "-", v, acc + sign * v))
+        acc += sign * v
+    return steps
+
+
+def worked_response(numbers: Sequence[int], solution: str) -> str:
+    """The ``worked`` style's response for ``solution`` over ``numbers``: every step followed
+    by the numbers still available (sorted), then the answer, on one line (the shipped
+    tokenizer has no newline). ``([2, 3, 4, 5], "3*(4 + 5) - 2")`` ->
+    ``"[2, 3, 4, 5] 4 + 5 = 9 [2, 3, 9] 3 * 9 = 27 [2, 27] 27 - 2 = 25 [25]. Answer: ..."``."""
+    from reco_megatron.data.arith import parse_arithmetic
+
+    pool = sorted(numbers)
+    parts = [str(pool)]
+    for a, op, b, c in worked_steps(canonical(parse_arithmetic(solution).tree)):
+        pool.remove(a)
+        pool.remove(b)
+        pool = sorted([*pool, c])
+        parts.append(f"{a} {op} {b} = {c} {pool}")
+    return " ".join(parts) + f". Answer: {solution}"
+
+
 def solution_key(expression: str) -> str | None:
     """A text naming ``expression``'s solution up to the equivalence of :func:`canonical`
     (``"3*(4+5)"`` and ``"(5 + 4) * 3"`` give the same key), or None if it does not parse."""
@@ -179,11 +252,15 @@ def generate(
     target_range: tuple[int, int] = (10, 100),
     min_solutions: int = 3,
     exclude: set[tuple[tuple[int, ...], int]] | None = None,
+    style: CountdownStyle = "answer",
 ) -> list[Problem]:
     """``n`` problems, deterministic in ``seed``, each with ``>= min_solutions`` solutions.
 
     ``exclude``: (sorted numbers, target) keys to skip, e.g. the train split for held-out.
+    ``style``: :data:`STYLES`; it changes the prompt and the warm-up text, not the problems.
     """
+    if style not in STYLES:
+        raise ValueError(f"countdown style must be one of {list(STYLES)}, got {style!r}")
     if n < 0 or n_numbers < 2 or max_number < 2 or min_solutions < 1:
         raise ValueError(
             f"need n >= 0, n_numbers >= 2, max_number >= 2, min_solutions >= 1; got n={n}, "
@@ -214,7 +291,7 @@ def generate(
         target = rng.choice(candidates)
         seen.add((numbers, target))
         solutions = tuple(sorted(render(k) for k in by_value[target]))
-        problems.append(Problem(numbers=numbers, target=target, solutions=solutions))
+        problems.append(Problem(numbers=numbers, target=target, solutions=solutions, style=style))
     return problems
 
 
@@ -259,6 +336,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--n-numbers", type=int, default=4)
     ap.add_argument("--max-number", type=int, default=12)
     ap.add_argument("--min-solutions", type=int, default=3)
+    ap.add_argument("--style", choices=STYLES, default="answer")
     args = ap.parse_args(argv)
     write_splits(
         args.out,
@@ -268,6 +346,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         n_numbers=args.n_numbers,
         max_number=args.max_number,
         min_solutions=args.min_solutions,
+        style=args.style,
     )
 
 

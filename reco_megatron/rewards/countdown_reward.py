@@ -5,6 +5,13 @@ last ``\\boxed{...}``, else the last line made only of digits, ``+ - *``, parent
 spaces. A trailing ``= T`` is dropped. The expression is parsed by the safe recursive-descent
 parser of :mod:`reco_megatron.data.arith` (no ``eval``); it scores 1.0 when it equals the
 target and uses each given number at most once, else 0.0.
+
+``countdown_worked`` grades the ``worked`` style
+(:func:`reco_megatron.data.countdown.worked_response`): the final answer as above, and the
+steps ``a op b = c`` written before ``Answer:`` must be true and use only numbers then
+available (each given number and each earlier result once), with at least one step and the
+last one reaching the target; otherwise 0.0 (status ``ok``).
+The bracketed lists of remaining numbers are not graded (they restate the steps).
 """
 
 from __future__ import annotations
@@ -21,6 +28,9 @@ MAX_RESPONSE_CHARS = 4096
 _ANSWER_RE = re.compile(r"answer\s*:\s*(.*)", re.IGNORECASE)
 _EXPR_LINE_RE = re.compile(r"[\d\s+\-*()]+(?:=\s*-?\d+)?")
 _TRAILING_EQ_RE = re.compile(r"\s*=\s*-?\d+\s*$")
+_STEP_RE = re.compile(r"(-?\d+)\s*([+*-])\s*(-?\d+)\s*=\s*(-?\d+)")
+_ANSWER_AT_RE = re.compile(r"answer\s*:", re.IGNORECASE)
+_OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
 
 def extract_expression(response: str) -> str | None:
@@ -78,3 +88,40 @@ def countdown_answer_key(response: str, gold: str) -> str | None:
         return None
     expression = extract_expression(response)
     return None if expression is None else solution_key(expression)
+
+
+def steps_are_sound(response: str, target: int, numbers: tuple[int, ...]) -> bool:
+    """True when the steps before the last ``Answer:`` are all true equations over numbers
+    then available (given or computed earlier, each used once), there is at least one, and the
+    last one's result is ``target``."""
+    text = response[-MAX_RESPONSE_CHARS:]
+    answers = list(_ANSWER_AT_RE.finditer(text))
+    work = text[: answers[-1].start()] if answers else text
+    pool = Counter(numbers)
+    result = None
+    for match in _STEP_RE.finditer(work):
+        a, op, b, c = int(match.group(1)), match.group(2), int(match.group(3)), int(match.group(4))
+        if _OPS[op](a, b) != c:
+            return False
+        pool[a] -= 1
+        pool[b] -= 1
+        if pool[a] < 0 or pool[b] < 0:
+            return False
+        pool[c] += 1
+        result = c
+    return result == target
+
+
+def countdown_worked_reward_result(response: str, gold: str) -> RewardResult:
+    """:func:`countdown_reward_result` that also refuses a worked solution whose steps are
+    wrong (:func:`steps_are_sound`); the ``worked`` style's reward."""
+    graded = countdown_reward_result(response, gold)
+    if graded.score == 0.0:
+        return graded
+    target, numbers = parse_gold(gold)
+    return graded if steps_are_sound(response, target, numbers) else RewardResult(0.0, OK)
+
+
+def countdown_worked_reward(response: str, gold: str) -> float:
+    """1.0 if the final expression is correct and fair and every step before it is sound."""
+    return countdown_worked_reward_result(response, gold).score

@@ -20,11 +20,13 @@ from reco_megatron.rewards.types import INVALID, NAN, NONE, OK, STATUSES, Reward
 BUILTIN_REWARDS: dict[str, str] = {
     "math": "reco_megatron.rewards.math_reward:math_reward_result",
     "countdown": "reco_megatron.rewards.countdown_reward:countdown_reward_result",
+    "countdown_worked": "reco_megatron.rewards.countdown_reward:countdown_worked_reward_result",
 }
 
 
 BUILTIN_ANSWER_KEYS: dict[str, str] = {
     "countdown": "reco_megatron.rewards.countdown_reward:countdown_answer_key",
+    "countdown_worked": "reco_megatron.rewards.countdown_reward:countdown_answer_key",
 }
 """Answer keys by reward name: ``key(response, gold) -> str | None`` names the solution a
 response gives, so that evaluation can count the *distinct* correct solutions per problem."""

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import ClassVar, Literal
 
 from reco_megatron.algo import LossConfig
+from reco_megatron.data.countdown import CountdownStyle
 from reco_megatron.data.dataset import DatasetConfig
 from reco_megatron.eval.during_training import EvalConfig
 from reco_megatron.megatron import ModelConfig, OptimConfig, ParallelConfig, UpdateConfig
@@ -113,6 +114,11 @@ class CountdownConfig:
     """Largest target."""
     min_solutions: int = 3
     """Only targets reachable in at least this many distinct ways (coverage needs several)."""
+    style: CountdownStyle = "answer"
+    """``answer``: the response is ``Answer: <expression>`` (10-25 tokens); ``worked``: each
+    step ``a op b = c`` with the numbers that remain, then the answer (50-100 tokens; grade it
+    with ``reward.reward=countdown_worked`` and give it ``rollout.max_new_tokens=96``, prompts
+    of up to 105 tokens and ``model.max_position_embeddings`` to match)."""
 
     def generate_kwargs(self) -> dict[str, object]:
         """Keyword arguments of :func:`reco_megatron.data.countdown.generate`."""
@@ -121,6 +127,7 @@ class CountdownConfig:
             "max_number": self.max_number,
             "target_range": (self.target_min, self.target_max),
             "min_solutions": self.min_solutions,
+            "style": self.style,
         }
 
 

@@ -123,7 +123,8 @@ def sft_batches(
     max_len: int,
     countdown,
 ) -> list[RolloutBatch]:
-    """Countdown SFT data: prompt + ``"Answer: <expr>"`` + EOS, several solutions a problem.
+    """Countdown SFT data: prompt + the response (``"Answer: <expr>"``, or its worked steps
+    first with ``data.countdown.style=worked``) + EOS, several solutions a problem.
 
     Every batch is built identically on every rank (seeded), so data-parallel ranks can take
     their share with :func:`reco_megatron.megatron.step.batch.data_parallel_share`.
@@ -137,7 +138,7 @@ def sft_batches(
         )
         for solution in chosen:
             prompt = tokenizer.encode(template.format(prompt=problem.prompt))
-            answer = [*tokenizer.encode(f"Answer: {solution}"), tokenizer.eos_id]
+            answer = [*tokenizer.encode(problem.response(solution)), tokenizer.eos_id]
             if len(prompt) + len(answer) <= max_len:
                 examples.append((prompt, answer))
     rng.shuffle(examples)
