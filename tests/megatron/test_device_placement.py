@@ -82,8 +82,8 @@ def test_bf16_local_spec_norms_in_params_dtype_without_warning() -> None:
 
 
 def test_layer_backend_follows_what_imports(monkeypatch, caplog) -> None:
-    from reco_megatron.megatron.model import build as model_mod
     from reco_megatron.megatron.distributed import ParallelConfig
+    from reco_megatron.megatron.model import build as model_mod
 
     monkeypatch.setattr(model_mod, "_warned", set())
     monkeypatch.setattr(model_mod, "_transformer_engine_importable", lambda: True)
