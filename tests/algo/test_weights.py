@@ -70,13 +70,19 @@ def test_none_is_ones() -> None:
     assert torch.equal(w, torch.ones(8))
 
 
-@pytest.mark.parametrize("mode", ["sequence", "geometric", "empirical", "none"])
-def test_edge_cases_finite(mode: str) -> None:
+def _edge_case_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Log-probs with -inf, a huge negative sum, an empty response (row 1); mask; token ids."""
     lp = torch.tensor(
         [[-math.inf, -1.0], [0.0, 0.0], [-1e30, -1e30], [-0.1, -0.2]], dtype=torch.float32
     )
-    mask = torch.tensor([[1, 1], [0, 0], [1, 1], [1, 1]])  # row 1 is an empty response
+    mask = torch.tensor([[1, 1], [0, 0], [1, 1], [1, 1]])
     ids = torch.tensor([[1, 2], [0, 0], [1, 2], [3, 3]])
+    return lp, mask, ids
+
+
+@pytest.mark.parametrize("mode", ["sequence", "geometric", "empirical", "none"])
+def test_edge_cases_finite(mode: str) -> None:
+    lp, mask, ids = _edge_case_batch()
     for g in (1, 2, 4):
         w = response_weights(lp, mask, g, mode, response_ids=ids)
         assert w.shape == (4,)
@@ -175,11 +181,7 @@ def test_prefix_empirical_chunking_matches_one_pass(monkeypatch: pytest.MonkeyPa
 
 @pytest.mark.parametrize("mode", ["prefix", "prefix_empirical"])
 def test_prefix_edge_cases_finite(mode: str) -> None:
-    lp = torch.tensor(
-        [[-math.inf, -1.0], [0.0, 0.0], [-1e30, -1e30], [-0.1, -0.2]], dtype=torch.float32
-    )
-    mask = torch.tensor([[1, 1], [0, 0], [1, 1], [1, 1]])  # row 1 is an empty response
-    ids = torch.tensor([[1, 2], [0, 0], [1, 2], [3, 3]])
+    lp, mask, ids = _edge_case_batch()
     for g in (1, 2, 4):
         w = response_weights(lp, mask, g, mode, response_ids=ids)
         assert w.shape == (4, 2)
