@@ -17,10 +17,10 @@ from reco_megatron.data.dataset import DatasetConfig
 from reco_megatron.eval.during_training import EvalConfig
 from reco_megatron.megatron import ModelConfig, OptimConfig, ParallelConfig, UpdateConfig
 from reco_megatron.rewards.pool import RewardPoolConfig
-from reco_megatron.rollout.vllm_requests import VLLM_MAX_TEMPERATURE, VLLM_MIN_TEMPERATURE
 from reco_megatron.trainer import loggers
 from reco_megatron.trainer.guards import StabilityConfig
 from reco_megatron.trainer.loggers import LoggerName
+from reco_megatron.trainer.rollout_config import RolloutConfig
 from reco_megatron.trainer.value_ranges import check_ranges
 
 
@@ -34,65 +34,6 @@ def _check_ints(obj: object, hints: dict[str, str] | None = None, **minimum: int
             hint = (hints or {}).get(name)
             raise ValueError(
                 f"{name} must be {what}, got {value!r}" + (f" ({hint})" if hint else "")
-            )
-
-
-@dataclass(kw_only=True)
-class RolloutConfig:
-    """Sampling of G responses per prompt."""
-
-    engine: Literal["embedded", "vllm", "megatron"] = "embedded"
-    """``embedded`` (transformers on CPU/GPU, the debug default), ``vllm`` (GPU, the largest
-    jobs where vLLM is installed) or ``megatron`` (megatron-core decoding on the trainer's own
-    chunks and TP/PP layout: no weight conversion; docs/rollout.md)."""
-    group_size: int = 8
-    """G, responses per prompt (the paper: 8)."""
-    prompts_per_step: int = 8
-    """Prompts per rollout batch (global, over all data-parallel ranks)."""
-    temperature: float = 1.0
-    """Sampling temperature; the trainer's log-probs use the same temperature."""
-    top_p: float = 1.0
-    """Nucleus sampling threshold (1 disables)."""
-    max_new_tokens: int = 64
-    """Longest response; longer generations end with finish_reason 'length'."""
-    max_prompt_len: int = 64
-    """Longest prompt in tokens (rows above it are an error or a counted skip)."""
-    gpu_memory_utilization: float = 0.5
-    """vLLM only: fraction of GPU memory for weights + KV cache when colocated."""
-    max_batch_size: int = 64
-    """Embedded and megatron engines: rows (prompt copies) per forward. Bounds memory (the
-    megatron engine's KV cache holds this many rows of ``max_prompt_len + max_new_tokens``);
-    never changes the samples."""
-
-    def __post_init__(self) -> None:
-        for name in (
-            "group_size",
-            "prompts_per_step",
-            "max_new_tokens",
-            "max_prompt_len",
-            "max_batch_size",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"rollout.{name} must be a positive integer, got {value!r}")
-        if self.group_size < 2:
-            raise ValueError(
-                f"group_size must be >= 2, got {self.group_size}: group advantages "
-                "compare the responses to one prompt (the paper uses 8)"
-            )
-        if not self.temperature > 0:
-            raise ValueError(
-                f"rollout.temperature must be > 0, got {self.temperature} (RL needs sampling)"
-            )
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
-        if self.engine == "vllm" and not (
-            VLLM_MIN_TEMPERATURE <= self.temperature <= VLLM_MAX_TEMPERATURE
-        ):
-            raise ValueError(
-                f"rollout.temperature={self.temperature} with rollout.engine=vllm: vLLM takes "
-                f"temperatures in [{VLLM_MIN_TEMPERATURE}, {VLLM_MAX_TEMPERATURE}] (it rejects "
-                "larger ones and silently raises smaller ones); pick one in that range"
             )
 
 
