@@ -25,10 +25,57 @@ from reco_megatron.megatron import (
 from reco_megatron.rollout.base import RolloutEngine, SamplingParams
 from reco_megatron.rollout.engines import build_engine
 from reco_megatron.trainer.config import TrainConfig
+from reco_megatron.trainer.rollout_source import ColocatedRollout, PromptSource, RolloutSource
 from reco_megatron.trainer.weight_sync import RolloutClient
 from reco_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)
+
+
+def rollout_sampling(cfg: TrainConfig, tokenizer: Tokenizer) -> SamplingParams:
+    """The run's sampling settings (``rollout.*``, the tokenizer's eos as the stop token)."""
+    r = cfg.rollout
+    return SamplingParams(
+        temperature=r.temperature,
+        top_p=r.top_p,
+        max_new_tokens=r.max_new_tokens,
+        stop_token_ids=(tokenizer.eos_id,),
+    )
+
+
+def expected_weights(cfg: TrainConfig) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape of every tensor a weight push must carry."""
+    return {name: tuple(shape) for name, shape in hf_shapes(cfg.model).items()}
+
+
+def engine_spec(cfg: TrainConfig, tokenizer: Tokenizer, device: str) -> dict[str, Any]:
+    """The keyword arguments of :func:`reco_megatron.rollout.engines.build_engine` for the
+    run's ``embedded`` or ``vllm`` engine (plain data: a separate worker receives them)."""
+    r = cfg.rollout
+    eos = (tokenizer.eos_id,)
+    hf_config = hf_config_from_model_config(cfg.model)
+    hf_config["eos_token_id"] = tokenizer.eos_id
+    hf_config["pad_token_id"] = tokenizer.pad_id
+    model_dir = None
+    if r.engine == "vllm":
+        if r.placement == "colocated":
+            warn_if_colocation_overflows(cfg)
+        model_dir = str(write_rollout_model_dir(cfg, hf_config))
+    return dict(
+        kind=r.engine,
+        hf_config=hf_config,
+        model_dir=model_dir,
+        checkpoint=False,  # the weights come from the first push
+        max_model_len=r.max_prompt_len + r.max_new_tokens,
+        eos_token_ids=eos,
+        seed=cfg.trainer.seed,
+        device=device,
+        max_batch_size=r.max_batch_size,
+        tensor_parallel_size=cfg.parallel.tensor_model_parallel_size,
+        gpu_memory_utilization=r.gpu_memory_utilization,
+        dtype=cfg.model.params_dtype,
+        return_routed_experts=cfg.update.routing_replay != "off",
+    )
 
 
 def build_rollout_engine(
@@ -44,40 +91,14 @@ def build_rollout_engine(
     ``policy`` is the trainer's :class:`reco_megatron.megatron.step.engine.ReCoEngine`; the
     ``megatron`` engine decodes on its chunks (required for it, unused by the others)."""
     r = cfg.rollout
-    eos = (tokenizer.eos_id,)
-    sampling = SamplingParams(
-        temperature=r.temperature,
-        top_p=r.top_p,
-        max_new_tokens=r.max_new_tokens,
-        stop_token_ids=eos,
-    )
-    expected = {name: tuple(shape) for name, shape in hf_shapes(cfg.model).items()}
-    hf_config = hf_config_from_model_config(cfg.model)
-    hf_config["eos_token_id"] = tokenizer.eos_id
-    hf_config["pad_token_id"] = tokenizer.pad_id
-    max_len = r.max_prompt_len + r.max_new_tokens
+    sampling = rollout_sampling(cfg, tokenizer)
     if r.engine == "megatron":
-        return RolloutClient(_megatron_engine(cfg, policy, max_len, eos), sampling)
-    model_dir = None
-    if r.engine == "vllm":
-        warn_if_colocation_overflows(cfg)
-        model_dir = write_rollout_model_dir(cfg, hf_config)
-    engine = build_engine(
-        r.engine,
-        hf_config=hf_config,
-        model_dir=model_dir,
-        checkpoint=False,  # the weights come from the first sync_weights
-        max_model_len=max_len,
-        eos_token_ids=eos,
-        seed=cfg.trainer.seed,
-        device=str(device if device is not None else compute_device()),
-        max_batch_size=r.max_batch_size,
-        tensor_parallel_size=cfg.parallel.tensor_model_parallel_size,
-        gpu_memory_utilization=r.gpu_memory_utilization,
-        dtype=cfg.model.params_dtype,
-        return_routed_experts=cfg.update.routing_replay != "off",
-    )
-    return RolloutClient(engine, sampling, expected)
+        max_len = r.max_prompt_len + r.max_new_tokens
+        engine = _megatron_engine(cfg, policy, max_len, (tokenizer.eos_id,))
+        return RolloutClient(engine, sampling)
+    where = str(device if device is not None else compute_device())
+    engine = build_engine(**engine_spec(cfg, tokenizer, where))
+    return RolloutClient(engine, sampling, expected_weights(cfg))
 
 
 def warn_if_colocation_overflows(cfg: TrainConfig) -> list[str]:
@@ -147,3 +168,25 @@ def write_rollout_model_dir(cfg: TrainConfig, hf_config: dict[str, Any]) -> Path
     if dist.is_initialized():
         dist.barrier()
     return out
+
+
+def build_rollout_source(
+    cfg: TrainConfig,
+    tokenizer: Tokenizer,
+    policy: ReCoEngine,
+    converter: str,
+    prompts: PromptSource,
+    layout: Any,
+    run_dir: Path,
+    run_id: str,
+) -> RolloutSource:
+    """The run's source of groups: the colocated engine on this rank, or the separate workers
+    (``rollout.placement``)."""
+    if cfg.rollout.placement == "colocated":
+        client = build_rollout_engine(cfg, tokenizer, policy.device, policy=policy)
+        return ColocatedRollout(cfg, client, policy, converter, prompts, layout)
+    from reco_megatron.trainer.separate_rollout import SeparateRollout
+
+    spec = engine_spec(cfg, tokenizer, "auto")
+    sampling, expected = rollout_sampling(cfg, tokenizer), expected_weights(cfg)
+    return SeparateRollout(cfg, spec, sampling, expected, policy, prompts, layout, run_dir, run_id)
