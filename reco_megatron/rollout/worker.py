@@ -94,7 +94,7 @@ class Worker:
             self.plan.senders,
             self.plan.senders + 1,
             backend=setup["backend"],
-            timeout_s=self.timeout,
+            timeout_s=float(setup["receive_timeout_s"]),
             device=self.device if self.device.type == "cuda" else None,
         )
         spec = dict(setup["engine"])
