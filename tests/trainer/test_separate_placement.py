@@ -232,3 +232,26 @@ def test_worker_failure_continue_trains_on_after_a_hang(tmp_path: Path) -> None:
     assert [r["step"] for r in rows] == list(range(1, 7))
     assert rows[0]["rollout_workers_alive"] == 2 and rows[-1]["rollout_workers_alive"] == 1
     assert not psutil.pid_exists(frozen.pid) or frozen.status() == "zombie"
+
+
+def _train(rank: int, world: int, out: str, extra: list[str]) -> int:
+    from reco_megatron.train import main
+
+    args = ["examples/tiny_cpu.yaml", *BASE, f"trainer.output_dir={out}", *extra]
+    return main([*args, "trainer.max_steps=3", f"parallel.pipeline_model_parallel_size={world}"])
+
+
+@pytest.mark.dist
+def test_two_pipeline_stages_push_from_two_senders(tmp_path: Path) -> None:
+    """PP 2: each stage exports and sends its own layers (no stage gathers the model); the
+    worker assembles them, and K = 0 still equals the colocated run."""
+    from reco_megatron.testing import run_distributed
+
+    runs = {"colocated": [], "separate": [*SEPARATE, "rollout.max_staleness=0"]}
+    for name, extra in runs.items():
+        assert run_distributed(_train, 2, args=(str(tmp_path / name), extra), timeout=600) == [0, 0]
+    ref, got = _rows(tmp_path / "colocated"), _rows(tmp_path / "separate")
+    assert len(ref) == len(got) == 3
+    for a, b in zip(ref, got, strict=True):
+        same = {k: v for k, v in a.items() if not k.startswith(WALL)}
+        assert {k: b[k] for k in same} == same
