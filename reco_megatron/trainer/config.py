@@ -266,6 +266,17 @@ class TrainConfig:
         if self.rollout.placement == "separate":
             self._check_separate_rollout()
 
+    @property
+    def response_weight_policy(self) -> Literal["proximal", "behaviour"]:
+        """Whose log-probs the response weights read (``loss.response_weight_policy``,
+        resolved): ``auto`` is ``behaviour`` (the rollout engine's mu) with
+        ``rollout.placement=separate``, whose groups may come from older weights, and
+        ``proximal`` (the old-policy pass, pi_old) colocated; an explicit value is kept."""
+        policy = self.loss.response_weight_policy
+        if policy == "auto":
+            return "behaviour" if self.rollout.placement == "separate" else "proximal"
+        return policy
+
     def prompt_dataset(self) -> DatasetConfig:
         """How the trainer reads its prompt files: ``data.dataset`` with the prompt budget of
         the rollout (``rollout.max_prompt_len``, the one key for it)."""
