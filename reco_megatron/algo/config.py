@@ -91,8 +91,9 @@ class LossConfig:
     response is under the policy that *sampled* its group. ``proximal``: pi_old, the trainer's
     old-policy pass. ``behaviour``: mu, the log-probs the rollout engine reported while
     sampling (``rollout_logprobs``; a batch without them is an error). ``auto``: ``behaviour``
-    with ``rollout.placement=separate`` (groups from weights up to ``max_staleness`` steps
-    old), else ``proximal``, so a colocated run is unchanged. Only the modes that read
+    with ``rollout.placement=separate`` and ``max_staleness`` > 0 (groups from weights up to
+    that many steps old), else ``proximal``, so colocated runs (and separate ones with
+    ``max_staleness=0``) are unchanged. Only the modes that read
     log-probs (``sequence``, ``geometric``, ``prefix``) depend on it; ``empirical``,
     ``prefix_empirical`` and ``none`` are unaffected. The clip and the token ratio c stay on
     pi / pi_old whatever this says (``docs/loss.md``, "Stale groups")."""

@@ -216,21 +216,24 @@ def test_bad_response_weight_policy_is_an_error_quoting_it() -> None:
 
 
 @pytest.mark.parametrize(
-    ("placement", "policy", "resolved"),
+    ("placement", "staleness", "policy", "resolved"),
     [
-        ("colocated", "auto", "proximal"),
-        ("separate", "auto", "behaviour"),
-        ("colocated", "behaviour", "behaviour"),
-        ("separate", "proximal", "proximal"),
+        ("colocated", None, "auto", "proximal"),
+        ("separate", None, "auto", "behaviour"),  # K defaults to 1 with separate placement
+        ("separate", 2, "auto", "behaviour"),
+        ("separate", 0, "auto", "proximal"),  # synchronous: samples from the current weights
+        ("colocated", None, "behaviour", "behaviour"),
+        ("separate", 1, "proximal", "proximal"),
     ],
 )
-def test_auto_resolves_by_placement(placement: str, policy: str, resolved: str) -> None:
+def test_auto_resolves_by_placement(placement, staleness, policy, resolved) -> None:
     from reco_megatron.trainer.config import TrainConfig
     from reco_megatron.trainer.rollout_config import RolloutConfig
 
+    tis_cap = 2.0 if placement == "separate" else None  # stale groups need the TIS factor
     cfg = TrainConfig(
-        loss=LossConfig(response_weight_policy=policy),  # type: ignore[arg-type]
-        rollout=RolloutConfig(placement=placement),  # type: ignore[arg-type]
+        loss=LossConfig(response_weight_policy=policy, tis_cap=tis_cap),
+        rollout=RolloutConfig(placement=placement, max_staleness=staleness),
     )
     assert cfg.response_weight_policy == resolved
     assert LossConfig().response_weight_policy == "auto"
