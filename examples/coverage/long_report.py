@@ -15,29 +15,37 @@ import analysis
 import long_units
 import numpy as np
 
+HEADERS = {
+    "weight_active": "responses with w < 1",
+    "weight_active_tokens": "tokens with w < 1",
+    "reward_mean": "reward",
+    "response_len_mean": "response tokens",
+}
 
-def weight_table(units: dict[str, dict[str, Any]], methods: list[str], seeds: list[int]) -> str:
-    """Markdown: per method, the training columns of :data:`long_units.WEIGHT_KEYS`, each
-    run's mean over its first -> last 20 steps, then the mean over the seeds listed."""
-    headers = {
-        "weight_active": "responses with w < 1",
-        "weight_active_tokens": "tokens with w < 1",
-        "reward_mean": "reward",
-        "response_len_mean": "response tokens",
-    }
+
+def weight_table(
+    units: dict[str, dict[str, Any]],
+    methods: list[str],
+    seeds: list[int],
+    keys: tuple[str, ...] = long_units.WEIGHT_KEYS,
+    headers: dict[str, str] | None = None,
+) -> str:
+    """Markdown: per method, the training columns ``keys``, each run's mean over its first
+    -> last 20 steps, then the mean over the seeds listed."""
+    headers = headers or HEADERS
     lines = [
-        "| method | " + " | ".join(headers[k] for k in long_units.WEIGHT_KEYS) + " |",
-        "|---" * (len(long_units.WEIGHT_KEYS) + 1) + "|",
+        "| method | " + " | ".join(headers[k] for k in keys) + " |",
+        "|---" * (len(keys) + 1) + "|",
     ]
     for method in methods:
         cells = []
-        for key in long_units.WEIGHT_KEYS:
+        for key in keys:
             got = [
                 units[long_units.unit_name(method, s)]["training"].get(key)
                 for s in seeds
                 if long_units.unit_name(method, s) in units
             ]
-            got = [g for g in got if g]
+            got = [g for g in got if g is not None]
             if not got:
                 cells.append("-")
                 continue

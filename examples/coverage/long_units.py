@@ -79,11 +79,14 @@ def digest(directory: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def summarise(rows: Sequence[dict[str, Any]], window: int = 20) -> dict[str, dict[str, float]]:
-    """Per key of :data:`WEIGHT_KEYS`: the mean over the first and last ``window`` steps and
-    over all steps (NaN / missing values left out; a key never logged is absent)."""
+def summarise(
+    rows: Sequence[dict[str, Any]], window: int = 20, keys: Sequence[str] = WEIGHT_KEYS
+) -> dict[str, dict[str, float]]:
+    """Per key of ``keys`` (default :data:`WEIGHT_KEYS`): the mean over the first and last
+    ``window`` steps and over all steps (NaN / missing values left out; a key never logged
+    is absent)."""
     out: dict[str, dict[str, float]] = {}
-    for key in WEIGHT_KEYS:
+    for key in keys:
         logged = [float(r[key]) for r in rows if r.get(key) is not None]
         logged = [v for v in logged if np.isfinite(v)]
         if logged:
@@ -135,6 +138,7 @@ def run_units(
     rl_steps: int,
     render: Callable[[dict[str, dict[str, Any]]], None],
     deadline: float | None = None,
+    keys: Sequence[str] = WEIGHT_KEYS,
 ) -> dict[str, dict[str, Any]]:
     """Evaluate the base once and every missing (method, seed) unit, seed by seed, one at a
     time; after each unit re-render the report. ``deadline`` (``time.time()``): start no new
@@ -165,7 +169,7 @@ def run_units(
                 "settings": settings,
                 "base": base_digest,
                 "entry": entry,
-                "training": summarise(rows),
+                "training": summarise(rows, keys=keys),
                 "seconds": {"rl": trained - began, "eval": time.time() - trained},
             }
             write_unit(units_dir / name, units[name])
@@ -202,20 +206,25 @@ def main(
     evaluate: Callable[[str, Path], list[dict]],
     out: Path,
     command: str,
+    name: str = "coverage_long",
+    report: Callable[..., None] | None = None,
+    keys: Sequence[str] = WEIGHT_KEYS,
 ) -> int:
     """``run.py --style worked`` after the base: the units one at a time
     (:func:`run_units`), the report re-rendered after each. With ``--smoke`` the units and the
     report default to ``--out`` instead of ``docs/results/``."""
     import long_report
 
+    write_report = report or long_report.write
     if args.stop_after:  # the report shows the command that continues the experiment
         command = command.replace(f"--stop-after {args.stop_after}", "").replace("  ", " ").strip()
     root = Path(__file__).resolve().parents[2]
     docs = out if args.smoke else root / "docs" / "results"
-    units_dir = (args.units or docs / "coverage_long").resolve()
-    results = args.results or docs / "coverage_long.md"
-    keys = ("sft_steps", "rl_steps", "prompts_per_step", "lr", "n", "kmax", "eval_prompts")
-    settings = {"protocol": protocol, "task": sorted(args.task), **{k: vars(args)[k] for k in keys}}
+    units_dir = (args.units or docs / name).resolve()
+    results = args.results or docs / f"{name}.md"
+    shared = ("sft_steps", "rl_steps", "prompts_per_step", "lr", "n", "kmax", "eval_prompts")
+    settings = {"protocol": protocol, "task": sorted(args.task)}
+    settings |= {k: vars(args)[k] for k in shared}
     deadline = None
     if args.stop_after:
         hour, minute = (int(x) for x in args.stop_after.split(":"))
@@ -225,8 +234,9 @@ def main(
         units_dir=units_dir, settings=settings, methods=args.methods, seeds=args.seeds,
         base_step=base_step, train=train, evaluate=evaluate,
         run_dir=lambda m, s: out / "runs" / f"{m}-s{s}", rl_steps=args.rl_steps,
-        render=lambda u: long_report.write(results, args, u, command), deadline=deadline,
+        render=lambda u: write_report(results, args, u, command), deadline=deadline,
+        keys=keys,
     )  # fmt: skip
-    long_report.write(results, args, units, command)
+    write_report(results, args, units, command)
     sys.stdout.write(f"wrote {results} ({len(units)} units in {units_dir})\n")
     return 0

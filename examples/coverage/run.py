@@ -59,6 +59,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import long_units  # noqa: E402
+import stale_units  # noqa: E402
 from write_report import write_results  # noqa: E402
 
 from reco_megatron.eval import report  # noqa: E402
@@ -163,7 +164,19 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=Path("runs/coverage"))
     p.add_argument("--results", type=Path, default=None, help="default: docs/results/coverage.md")
-    p.add_argument("--methods", nargs="+", default=None, choices=[*METHODS, "reco_prefix"])
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        default=None,
+        choices=[*METHODS, "reco_prefix", *stale_units.METHODS_STALE],
+    )
+    p.add_argument(
+        "--experiment",
+        choices=("coverage", "staleness"),
+        default="coverage",
+        help="staleness: GRPO and ReCo at max_staleness 0 and 2 (units in "
+        "docs/results/coverage_staleness/)",
+    )
     p.add_argument("--style", choices=("answer", "worked"), default="answer", help="countdown")
     p.add_argument("--units", type=Path, default=None, help="default: docs/results/coverage_long")
     p.add_argument("--stop-after", default="", metavar="HH:MM", help="UTC; no new unit after")
@@ -223,7 +236,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="1 seed, tiny budget (CI)")
     args = p.parse_args(argv)
     worked = args.style == "worked"
-    methods_table = long_units.METHODS_LONG if worked else METHODS
+    stale = args.experiment == "staleness"
+    if stale and worked:
+        p.error("--experiment staleness runs the short countdown task: drop --style worked")
+    methods_table = (
+        long_units.METHODS_LONG if worked else stale_units.METHODS_STALE if stale else METHODS
+    )
     args.methods = args.methods or list(methods_table)
     if set(args.methods) - set(methods_table):
         p.error(f"--methods {args.methods}: --style {args.style} has {list(methods_table)}")
@@ -231,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
         args.seeds, args.sft_steps, args.rl_steps = args.seeds[:1], 8, 2
         args.n = args.kmax = 4
         args.eval_prompts, args.prompts_per_step, args.eval_interval = 3, 4, 1
+    if stale:
+        args.eval_interval = 0  # separate placement evaluates checkpoints, not during RL
     if args.curve_steps > args.rl_steps and (not args.curve or args.rl_steps % args.save_every):
         p.error(
             f"--curve-steps {args.curve_steps} > --rl-steps {args.rl_steps} needs --curve runs "
@@ -314,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         return _run(_train_cmd(run_dir, overrides), out / "logs" / f"{method}-s{seed}.log", threads)
 
     jobs = [(m, s) for s in args.seeds for m in args.methods]
-    if not worked:
+    if not (worked or stale):
         with ThreadPoolExecutor(args.jobs) as pool:
             list(pool.map(rl, jobs))
 
@@ -338,9 +358,16 @@ def main(argv: list[str] | None = None) -> int:
         return report.read_json(part / "passk.json")
 
     base_step = base / "checkpoints" / (base / "checkpoints" / "latest").read_text().strip()
-    if worked:
+    if worked or stale:
         command = " ".join(_shown(a) for a in sys.argv[1:])
-        return long_units.main(args, protocol, base_step, rl, evaluate, out, command)
+        if worked:
+            return long_units.main(args, protocol, base_step, rl, evaluate, out, command)
+        import stale_report
+
+        return long_units.main(
+            args, protocol, base_step, rl, evaluate, out, command,
+            name="coverage_staleness", report=stale_report.write, keys=stale_report.KEYS,
+        )  # fmt: skip
     base_entry = {**evaluate("base", base_step)[0], "rl_step": 0}
     by_budget: dict[int, list[dict]] = {}
     for budget in reversed(budgets):  # the compared budget first

@@ -121,3 +121,20 @@ def test_long_coverage_experiment_smoke(tmp_path: Path) -> None:
     stamps = {p: p.stat().st_mtime_ns for p in (out / "coverage_long").glob("*.json")}
     assert run.main(argv) == 0
     assert {p: p.stat().st_mtime_ns for p in (out / "coverage_long").glob("*.json")} == stamps
+
+
+@pytest.mark.slow
+def test_staleness_experiment_smoke(tmp_path: Path) -> None:
+    """The staleness units: a K = 0 run and a K = 2 run (trainer plus a rollout worker) from
+    one base, each a unit with the staleness columns, and the report comparing them."""
+    run = _module("run")
+    out = tmp_path / "stale"
+    argv = ["--smoke", "--experiment", "staleness", "--methods", "reco_k0", "reco_k2"]
+    assert run.main([*argv, "--out", str(out), "--eval-threads", "1"]) == 0
+    names = sorted(p.name for p in (out / "coverage_staleness").glob("*.json"))
+    assert names == ["base.json", "reco_k0-s1.json", "reco_k2-s1.json"]
+    k0 = json.loads((out / "coverage_staleness" / "reco_k0-s1.json").read_text())["training"]
+    k2 = json.loads((out / "coverage_staleness" / "reco_k2-s1.json").read_text())["training"]
+    assert "staleness_mean" not in k0 and k2["staleness_mean"]["all"] > 0
+    report = (out / "coverage_staleness.md").read_text()
+    assert "Units done: 3 of 3 planned" in report and "| reco_k2 - reco_k0 |" in report
