@@ -37,6 +37,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from reco_megatron.utils.cpu_env import PORTABLE_CPU_KERNELS
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "examples/tiny_cpu.yaml"
 SUMMARY = ROOT / "docs/results/readme_run.json"
@@ -49,12 +51,7 @@ _SFT_LINE = re.compile(r"sft warm-up: (\d+) steps in ([0-9.]+) s")
 _PHASES = ("time_rollout", "time_reward", "time_old_logprob", "time_train", "time_sync")
 SERIES = ("reward_mean", "unique_frac", "loss", "grad_norm")
 """Per-step metrics stored with the summary; ``--check`` compares them bit for bit."""
-PORTABLE_CPU_ENV = {
-    "ATEN_CPU_CAPABILITY": "avx2",
-    "MKL_CBWR": "AVX2",
-    "ONEDNN_MAX_CPU_ISA": "AVX2",
-    "OMP_NUM_THREADS": "2",
-}
+PORTABLE_CPU_ENV = {**PORTABLE_CPU_KERNELS, "OMP_NUM_THREADS": "2"}
 """What the README run pins, measured on the tiny default (first RL step's loss after 60 SFT
 steps): torch picks its CPU kernels by the CPU's vector extensions (AVX-512 -0.01335904, AVX2
 -0.01336349, none -0.01333455), and 60 RL steps amplify such a difference into other rewards;

@@ -223,7 +223,9 @@ def main(
     units_dir = (args.units or docs / name).resolve()
     results = args.results or docs / f"{name}.md"
     shared = ("sft_steps", "rl_steps", "prompts_per_step", "lr", "n", "kmax", "eval_prompts")
-    settings = {"protocol": protocol, "task": sorted(args.task)}
+    # "cpu": the kernels are pinned (reco_megatron/utils/cpu_env.py); units of unpinned
+    # runs came from CPU-dependent bases and are not comparable
+    settings = {"protocol": protocol, "task": sorted(args.task), "cpu": "avx2-pinned"}
     settings |= {k: vars(args)[k] for k in shared}
     deadline = None
     if args.stop_after:

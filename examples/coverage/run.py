@@ -63,6 +63,7 @@ import stale_units  # noqa: E402
 from write_report import write_results  # noqa: E402
 
 from reco_megatron.eval import report  # noqa: E402
+from reco_megatron.utils.cpu_env import PORTABLE_CPU_KERNELS  # noqa: E402
 
 # The same clip (DAPO's clip-higher, as in examples/tiny_cpu.yaml) and no KL for every method:
 # the only differences are the response weight, the token ratio and how c is bounded.
@@ -99,6 +100,7 @@ CONFIG = ROOT / "examples" / "tiny_cpu.yaml"
 
 def _run(cmd: list[str], log: Path, threads: int) -> float:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(threads))
+    env.update(PORTABLE_CPU_KERNELS)  # the same bits on any AVX2 CPU: units span sessions
     env["MKL_NUM_THREADS"] = str(threads)
     start = time.perf_counter()
     with log.open("w") as f:

@@ -1,0 +1,20 @@
+"""The environment that makes CPU runs give the same bits on any x86-64 machine with AVX2.
+
+torch picks its CPU kernels by the CPU's vector extensions (AVX-512, AVX2, none), and so do
+MKL (torch's BLAS) and oneDNN; the kernels round differently, and a few hundred training
+steps amplify that into other samples and rewards. Measured on the tiny default (the first RL
+step's loss after 60 SFT steps): AVX-512 -0.01335904, AVX2 -0.01336349, none -0.01333455.
+:data:`PORTABLE_CPU_KERNELS` pins all three to AVX2 (``MKL_CBWR`` is MKL's reproducibility
+mode), which every x86-64 CPU of the last decade has; ``benchmarks/readme_numbers.py`` and the
+coverage experiments run under it, so a run started on one machine continues on another.
+"""
+
+from __future__ import annotations
+
+PORTABLE_CPU_KERNELS: dict[str, str] = {
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "MKL_CBWR": "AVX2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+}
+"""Variables to set in a process's environment before torch starts (they override any
+value the environment had)."""
