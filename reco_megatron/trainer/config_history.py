@@ -268,18 +268,14 @@ class ResumeCheck:
     def _latest_state(self) -> tuple[str | None, dict[str, Any] | None]:
         """Name and trainer state of the checkpoint ``latest`` names (rank 0; plain JSON),
         or ``(None, None)`` when there is none or it cannot be read (the resume says why)."""
-        from reco_megatron.megatron import CheckpointError, latest_checkpoint, read_meta
+        from reco_megatron.trainer.setup import latest_trainer_state
 
         if self.rank != 0:
             return None, None
-        try:
-            path = latest_checkpoint(self.out / "checkpoints")
-            return (path.name, read_meta(path).get("trainer_state") or {}) if path else (None, None)
-        except CheckpointError:
-            return None, None
+        return latest_trainer_state(self.out / "checkpoints")
 
     def _check(self, name: str | None, state: dict[str, Any] | None) -> None:
-        from reco_megatron.megatron import from_rank0
+        from reco_megatron.parallel.collectives import from_rank0
 
         verdict: tuple[str, Any] | None = None
         if self.rank == 0 and name is not None and state is not None:

@@ -228,7 +228,7 @@ def _reward(spec: str, problems: list[str]) -> None:
 
 
 def _checkpoint(cfg: TrainConfig, problems: list[str]) -> None:
-    from reco_megatron.megatron import CheckpointError, latest_checkpoint, read_meta
+    from reco_megatron.trainer.setup import saved_model_layout
 
     c = cfg.checkpoint
     if c.init_hf:
@@ -241,13 +241,9 @@ def _checkpoint(cfg: TrainConfig, problems: list[str]) -> None:
         if bad := _path_problem("checkpoint.init_megatron", c.init_megatron, directory=True):
             problems.append(bad)
             return
-        path = Path(c.init_megatron)
-        try:
-            if (path / "latest").exists():
-                path = latest_checkpoint(path) or path
-            saved = read_meta(path)["layout"]["model"]
-        except (CheckpointError, KeyError, TypeError) as exc:
-            problems.append(f"checkpoint.init_megatron={c.init_megatron!r}: {exc}")
+        saved, why = saved_model_layout(Path(c.init_megatron))
+        if saved is None:
+            problems.append(f"checkpoint.init_megatron={c.init_megatron!r}: {why}")
             return
         diffs = [
             f"{k} {saved.get(k)!r} vs {getattr(cfg.model, k)!r}"

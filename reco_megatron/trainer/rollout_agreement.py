@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from reco_megatron.megatron import collective_device
+from reco_megatron.parallel.collectives import collective_device
 from reco_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)

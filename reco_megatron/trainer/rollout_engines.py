@@ -1,6 +1,7 @@
 """Building the run's rollout engine (``rollout.engine``: ``embedded``, ``vllm`` or
 ``megatron``) and what it needs: the sampling settings, the weight names every push must
-carry, vLLM's model directory and its colocation memory check.
+carry, vLLM's model directory and its colocation memory check; and streaming the policy into
+it (:func:`sync_weights`, through :class:`~reco_megatron.trainer.weight_sync.RolloutClient`).
 
 The engines that hold their own weights come from the one factory training and evaluation
 share (:func:`reco_megatron.rollout.engines.build_engine`); the ``megatron`` engine decodes on
@@ -17,10 +18,12 @@ import torch.distributed as dist
 
 from reco_megatron.data.tokenizer import Tokenizer
 from reco_megatron.megatron import (
+    ModelConfig,
     ReCoEngine,
     compute_device,
     hf_config_from_model_config,
     hf_shapes,
+    policy_hf_weights,
 )
 from reco_megatron.rollout.base import RolloutEngine, SamplingParams
 from reco_megatron.rollout.engines import build_engine
@@ -147,3 +150,20 @@ def write_rollout_model_dir(cfg: TrainConfig, hf_config: dict[str, Any]) -> Path
     if dist.is_initialized():
         dist.barrier()
     return out
+
+
+def sync_weights(
+    engine: ReCoEngine, rollout: RolloutClient, model_cfg: ModelConfig, converter: str = "builtin"
+) -> None:
+    """Stream the current policy into the rollout engine (collective): wake its weights, push
+    them checked per tensor, reset its prefix cache, wake its KV cache
+    (:meth:`RolloutClient.refit`; the engine may be asleep or awake).
+
+    ``converter`` is the resolved ``checkpoint.hf_converter``
+    (:func:`~reco_megatron.trainer.setup.hf_converter`). An engine that generates
+    with the trainer's own weights (``uses_trainer_weights``) gets an empty stream: no export.
+    """
+    if getattr(rollout.engine, "uses_trainer_weights", False):
+        rollout.refit(iter(()))
+        return
+    rollout.refit(policy_hf_weights(engine.unwrapped(), model_cfg, converter))
