@@ -28,6 +28,7 @@ from typing import Any
 
 from reco_megatron.config import ConfigError
 from reco_megatron.config.dump import config_to_dict
+from reco_megatron.trainer.config import TrainConfig
 from reco_megatron.utils.logging import get_logger
 
 __all__ = [
@@ -141,7 +142,7 @@ def diff_configs(
 
 
 def check_resume(
-    cfg: Any,
+    cfg: TrainConfig,
     saved_state: dict[str, Any],
     inputs: dict[str, str],
     checkpoint: str,
@@ -207,7 +208,7 @@ def file_digest(path: Path) -> str:
     return f"sha256:{h.hexdigest()}"
 
 
-def input_hashes(cfg: Any, out: Path) -> dict[str, str]:
+def input_hashes(cfg: TrainConfig, out: Path) -> dict[str, str]:
     """Content hashes of what the run trains on: the prompt file (``data.train_path``, or
     the countdown file generated under ``<output_dir>/data``) and the tokenizer."""
     hashes: dict[str, str] = {}
@@ -257,7 +258,7 @@ class ResumeCheck:
     the verdict): before anything is built, against the checkpoint ``latest`` names; again
     after the load when a fallback loaded another one; then :meth:`record` (rank 0)."""
 
-    def __init__(self, cfg: Any, plain: dict[str, Any], out: Path, rank: int) -> None:
+    def __init__(self, cfg: TrainConfig, plain: dict[str, Any], out: Path, rank: int) -> None:
         self.cfg, self.plain, self.out, self.rank = cfg, plain, out, rank
         self.inputs: dict[str, str] = input_hashes(cfg, out) if rank == 0 else {}
         self.checked: str | None = None

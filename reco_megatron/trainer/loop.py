@@ -33,6 +33,7 @@ from reco_megatron.megatron import (
 from reco_megatron.parallel.batch import data_parallel_groups
 from reco_megatron.parallel.collectives import collective_device
 from reco_megatron.rewards.pool import RewardPool
+from reco_megatron.rollout.base import Completion
 from reco_megatron.trainer import reward_health, setup
 from reco_megatron.trainer.config import TrainConfig
 from reco_megatron.trainer.config_history import CONFIG_HEADER, ResumeCheck
@@ -180,7 +181,9 @@ class Trainer:
         return self.out / "checkpoints"
 
     # ------------------------------------------------------------------ one step
-    def _generate(self, indices: list[int]) -> tuple[list[list[int]], list[Any], list[str], bool]:
+    def _generate(
+        self, indices: list[int]
+    ) -> tuple[list[list[int]], list[list[Completion]], list[str], bool]:
         """Prompts of this DP rank's groups, their completions (the same on every rank of the
         model-parallel group), golds, and whether the group's engines had disagreed."""
         r = self.cfg.rollout

@@ -21,7 +21,6 @@ import importlib.util
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -152,7 +151,9 @@ def _path_problem(key: str, value: str, *, directory: bool = False) -> str | Non
     return None
 
 
-def _data(cfg: TrainConfig, tokenizer: Tokenizer | None, problems: list[str]) -> Any:
+def _data(
+    cfg: TrainConfig, tokenizer: Tokenizer | None, problems: list[str]
+) -> PromptDataset | None:
     d = cfg.data
     if tokenizer is not None and tokenizer.vocab_size > cfg.model.vocab_size:
         problems.append(

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from reco_megatron.algo import diversity_metrics, pass_at_k
 from reco_megatron.parallel.collectives import collective_device
+from reco_megatron.rollout.base import Completion
 
 
 def rollout_counters(
-    rewards: torch.Tensor, completions: list[list[Any]], g: int
+    rewards: torch.Tensor, completions: list[list[Completion]], g: int
 ) -> dict[str, float]:
     """This DP rank's rollout counters, as sums (``*_sum``) and counts, so that summing them
     over DP ranks and dividing gives the global means. ``rewards``: ``[n_groups * g]``."""
@@ -39,6 +40,23 @@ def rollout_counters(
     ]
     out["unique_frac_sum"] = float(sum(unique))
     return out
+
+
+class MetricsSource(Protocol):
+    """What a step's row needs of the training engine (``ReCoEngine``)."""
+
+    def broadcast_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        """The last pipeline stage's ``metrics`` on every rank (collective)."""
+        ...
+
+
+class DataParallelLayout(Protocol):
+    """What a step's row needs of the rank layout (``rank_layout()``)."""
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        """This rank's data-parallel group (the counters are summed over it)."""
+        ...
 
 
 UPDATE_METRICS: tuple[tuple[str, str, str], ...] = (
@@ -91,8 +109,8 @@ def global_row(
     prep: dict[str, float],
     reward_metrics: dict[str, float],
     adv_metrics: dict[str, Any],
-    engine: Any,
-    layout: Any,
+    engine: MetricsSource,
+    layout: DataParallelLayout,
 ) -> dict[str, Any]:
     """One ``metrics.jsonl`` row: the rollout counters summed over DP ranks (collective over
     ``layout.dp_group``), the engine's per-update metrics (already global, broadcast from the
