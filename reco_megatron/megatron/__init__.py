@@ -73,6 +73,10 @@ _EXPORTS: dict[str, str] = {
     "choose_converter": "hf.converter",
     "load_hf_into_engine": "hf.converter",
     "policy_hf_weights": "hf.converter",
+    "PushRole": "hf.push",
+    "push_role": "hf.push",
+    "push_tensors": "hf.push",
+    "stage_hf_weights": "hf.push",
 }
 """Each exported name -> the submodule (relative to this package) that defines it."""
 

@@ -105,6 +105,8 @@ class TrainConfig:
         if self.rollout.engine == "megatron":
             self._check_megatron_rollout()
         self._check_routing_replay()
+        if self.rollout.placement == "separate":
+            self._check_separate_rollout()
         self._check_token_budget()
         self._check_held_out_set()
 
@@ -129,6 +131,35 @@ class TrainConfig:
                 f"update.routing_replay={mode!r} with rollout.engine=embedded: transformers "
                 "does not report the experts it routes to; use rollout.engine=megatron (or "
                 "vllm with routed-experts return), or update.routing_replay=off"
+            )
+
+    def _check_separate_rollout(self) -> None:
+        """What separate placement needs of the other sections."""
+        k = self.rollout.staleness_bound
+        if k > 0 and self.loss.tis_cap is None:
+            raise ValueError(
+                f"rollout.placement=separate with max_staleness={k} trains on groups of older "
+                "weights and needs the importance weight min(pi_old / mu, C): set "
+                "loss.tis_cap (2.0 is the usual cap), or rollout.max_staleness=0"
+            )
+        if self.eval.interval:
+            raise ValueError(
+                f"eval.interval={self.eval.interval} with rollout.placement=separate: the "
+                "trainer holds no rollout engine to evaluate with; set eval.interval=0 and "
+                "evaluate the checkpoints with reco-eval"
+            )
+        if self.parallel.expert_model_parallel_size > 1:
+            raise ValueError(
+                "rollout.placement=separate pushes each pipeline stage's weights from one "
+                "rank; with parallel.expert_model_parallel_size="
+                f"{self.parallel.expert_model_parallel_size} the experts are spread over "
+                "several: use placement=colocated, or expert_model_parallel_size=1"
+            )
+        if self.checkpoint.hf_converter == "megatron_bridge":
+            raise ValueError(
+                "rollout.placement=separate streams each stage's weights with the builtin "
+                "converter; checkpoint.hf_converter=megatron_bridge cannot stream per stage: "
+                "set it to auto or builtin"
             )
 
     def _check_megatron_rollout(self) -> None:

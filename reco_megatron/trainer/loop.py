@@ -30,10 +30,8 @@ from reco_megatron.megatron import (
     save_checkpoint,
     sft_checkpoint_name,
 )
-from reco_megatron.parallel.batch import data_parallel_groups
 from reco_megatron.parallel.collectives import collective_device
 from reco_megatron.rewards.pool import RewardPool
-from reco_megatron.rollout.base import Completion
 from reco_megatron.trainer import reward_health, setup
 from reco_megatron.trainer.config import TrainConfig
 from reco_megatron.trainer.config_history import CONFIG_HEADER, ResumeCheck
@@ -45,16 +43,16 @@ from reco_megatron.trainer.metrics_writer import (
 )
 from reco_megatron.trainer.preflight import Checked, preflight
 from reco_megatron.trainer.progress import announce_startup
-from reco_megatron.trainer.rollout_agreement import agree_on_completions
 from reco_megatron.trainer.rollout_batch import build_rollout_batch
-from reco_megatron.trainer.rollout_engines import build_rollout_engine, sync_weights
+from reco_megatron.trainer.rollout_engines import build_rollout_source
+from reco_megatron.trainer.rollout_source import PromptSource, RolloutSource
+from reco_megatron.trainer.rollout_workers import WorkerLost
 from reco_megatron.trainer.run_dir import take_run_directory
 from reco_megatron.trainer.run_lock import RunLock
 from reco_megatron.trainer.setup import initialise_weights
 from reco_megatron.trainer.sft_warmup import run_warmup
 from reco_megatron.trainer.step_metrics import global_row, rollout_counters
 from reco_megatron.trainer.stop_signals import EXIT_RESUMABLE, StopSignals, stop_here
-from reco_megatron.trainer.weight_sync import RolloutClient
 from reco_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -71,7 +69,7 @@ class Trainer:
         self.signals = signals or StopSignals()
         self.lock: RunLock | None = None
         self.rewards: RewardPool | None = None
-        self.rollout: RolloutClient | None = None
+        self.rollout: RolloutSource | None = None
         self.writer: MetricsWriter | None = None
         checked = preflight(cfg)  # ConfigError before anything is created or computed
         # Stop signals are handled from here on: during the pure checks above there is nothing
@@ -121,9 +119,11 @@ class Trainer:
             seed=cfg.trainer.seed,
         )
         self.converter = setup.hf_converter(cfg, on_gpu=self.engine.on_gpu)
-        self.rollout = build_rollout_engine(
-            cfg, self.tokenizer, self.engine.device, policy=self.engine
-        )
+        prompts = PromptSource(cfg, self.dataset, self.tokenizer, self.formatter, self.sampler)
+        self.rollout = build_rollout_source(
+            cfg, self.tokenizer, self.engine, self.converter, prompts, self.layout, self.out,
+            self.run_id,
+        )  # fmt: skip
         self.rewards = RewardPool(cfg.reward) if self.layout.first_of_replica else None
         self.unsaved_progress = False  # trained since the last checkpoint (or the start)
         self.guard = StabilityGuard(cfg.stability, c_max=cfg.loss.c_max)
@@ -147,7 +147,7 @@ class Trainer:
         self.step = start.step
         self.sft_from = start.sft_from  # the SFT step to continue from, None: no warm-up
         if self.sft_from is None:
-            sync_weights(self.engine, self.rollout, cfg.model, self.converter)
+            self.rollout.start(self.step)
         if self.rank == 0:
             self.resume.record(self.step, start.resumed)
             dump_config(cfg, self.out / "config.yaml", header=CONFIG_HEADER)
@@ -181,22 +181,6 @@ class Trainer:
         return self.out / "checkpoints"
 
     # ------------------------------------------------------------------ one step
-    def _generate(
-        self, indices: list[int]
-    ) -> tuple[list[list[int]], list[list[Completion]], list[str], bool]:
-        """Prompts of this DP rank's groups, their completions (the same on every rank of the
-        model-parallel group), golds, and whether the group's engines had disagreed."""
-        r = self.cfg.rollout
-        mine = data_parallel_groups(
-            len(indices), self.dp_rank, self.dp_size, self.cfg.update.minibatches_per_rollout
-        )
-        records = [self.dataset[indices[g]] for g in mine]
-        prompts = [self.tokenizer.encode(self.formatter.format(rec.prompt)) for rec in records]
-        seeds = [hash((self.cfg.trainer.seed, self.step, g)) % (2**31) for g in mine]
-        completions = self.rollout.generate_seeded(prompts, r.group_size, seeds)
-        completions, diverged = agree_on_completions(completions, self.layout.mp_group)
-        return prompts, completions, [rec.answer for rec in records], diverged
-
     def _score(
         self, texts: list[str], golds: list[str]
     ) -> tuple[torch.Tensor, dict[str, float], dict[str, float]]:
@@ -229,9 +213,10 @@ class Trainer:
         logger.debug("step %d begins", self.step + 1)  # after the last step's stop check
         g = cfg.rollout.group_size
         times: dict[str, float] = {}
-        t0 = time.perf_counter()
-        indices = self.sampler.next_batch()
-        prompts, completions, golds, diverged = self._generate(indices)
+        t0 = step_start = time.perf_counter()
+        assert self.rollout is not None
+        got = self.rollout.next_step(self.step)
+        prompts, completions, golds = got.prompts, got.completions, got.golds
         responses = [c.token_ids for group in completions for c in group]
         logprobs = [c.logprobs for group in completions for c in group]
         times["time_rollout"] = time.perf_counter() - t0
@@ -258,24 +243,25 @@ class Trainer:
             self.tokenizer.pad_id,
             routed_experts=[c.routed_experts for group in completions for c in group],
         )
-        self.rollout.sleep()  # vLLM frees its memory for the update; sync_weights wakes it
+        self.rollout.before_update()
         prepared, prep = self.engine.prepare(batch)
         times["time_old_logprob"] = prep.pop("time_old_logprob", float("nan"))
         t0 = time.perf_counter()
         steps = self.engine.train_on_rollout(prepared, self.guard.decide)
         times["time_train"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        sync_weights(self.engine, self.rollout, cfg.model, self.converter)
-        times["time_sync"] = time.perf_counter() - t0
         self.step += 1
+        times.update(self.rollout.after_update(self.step))  # the new weights to the rollouts
 
         local = rollout_counters(rewards, completions, g)
-        local["rollout_mp_divergence_sum"] = float(diverged)
+        local["rollout_mp_divergence_sum"] = float(got.diverged)
         row = global_row(
             self.step, local, steps, prep, reward_metrics, adv_metrics, self.engine, self.layout
         )
         row.update(failures)
         row.update(times)
+        row.update(got.metrics)
+        trained = row["response_len_mean"] * cfg.rollout.prompts_per_step * g
+        row["tokens_per_s"] = trained / (time.perf_counter() - step_start)
         return row
 
     # ------------------------------------------------------------------ the run
@@ -285,7 +271,7 @@ class Trainer:
             "step": self.step,
             "phase": "sft" if sft_step is not None else "rl",
             "sft_step": sft_step,
-            "sampler": self.sampler.state_dict(),
+            "sampler": self.rollout.sampler_state(),
             "rollout": self.rollout.state_dict(),
             "config": self.config_plain,
             "inputs": self.resume.inputs,
@@ -315,7 +301,7 @@ class Trainer:
                 if self._warm_up(self.sft_from):
                     return EXIT_RESUMABLE
                 self.sft_from = None
-                sync_weights(self.engine, self.rollout, cfg.model, self.converter)
+                self.rollout.start(self.step)
             rl_start = time.perf_counter()
             if self.step >= cfg.trainer.max_steps > 0:  # resumed with no step left
                 logger.info(
@@ -328,7 +314,13 @@ class Trainer:
             if self._stop_here():  # a signal during start-up or the step-0 evaluation
                 return EXIT_RESUMABLE
             while self.step < cfg.trainer.max_steps:
-                row = self.train_step()
+                try:
+                    row = self.train_step()
+                except WorkerLost as exc:  # every rank raises it at the same step
+                    logger.error("reco-train: %s; stopping resumably at step %d", exc, self.step)
+                    if self.unsaved_progress:
+                        self.save()
+                    return EXIT_RESUMABLE
                 self.unsaved_progress = True
                 if self.writer is not None:
                     self.writer.write(row)

@@ -10,6 +10,9 @@ the trainer's own chunks and is built here, where the adapter may be imported.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -19,19 +22,70 @@ import torch.distributed as dist
 from reco_megatron.data.tokenizer import Tokenizer
 from reco_megatron.megatron import (
     ModelConfig,
+    PushRole,
     ReCoEngine,
     compute_device,
     hf_config_from_model_config,
     hf_shapes,
     policy_hf_weights,
+    push_role,
+    push_tensors,
+    stage_hf_weights,
 )
 from reco_megatron.rollout.base import RolloutEngine, SamplingParams
 from reco_megatron.rollout.engines import build_engine
 from reco_megatron.trainer.config import TrainConfig
+from reco_megatron.trainer.rollout_source import ColocatedRollout, PromptSource, RolloutSource
 from reco_megatron.trainer.weight_sync import RolloutClient
 from reco_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)
+
+
+def rollout_sampling(cfg: TrainConfig, tokenizer: Tokenizer) -> SamplingParams:
+    """The run's sampling settings (``rollout.*``, the tokenizer's eos as the stop token)."""
+    r = cfg.rollout
+    return SamplingParams(
+        temperature=r.temperature,
+        top_p=r.top_p,
+        max_new_tokens=r.max_new_tokens,
+        stop_token_ids=(tokenizer.eos_id,),
+    )
+
+
+def expected_weights(cfg: TrainConfig) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape of every tensor a weight push must carry."""
+    return {name: tuple(shape) for name, shape in hf_shapes(cfg.model).items()}
+
+
+def engine_spec(cfg: TrainConfig, tokenizer: Tokenizer, device: str) -> dict[str, Any]:
+    """The keyword arguments of :func:`reco_megatron.rollout.engines.build_engine` for the
+    run's ``embedded`` or ``vllm`` engine (plain data: a separate worker receives them)."""
+    r = cfg.rollout
+    eos = (tokenizer.eos_id,)
+    hf_config = hf_config_from_model_config(cfg.model)
+    hf_config["eos_token_id"] = tokenizer.eos_id
+    hf_config["pad_token_id"] = tokenizer.pad_id
+    model_dir = None
+    if r.engine == "vllm":
+        if r.placement == "colocated":
+            warn_if_colocation_overflows(cfg)
+        model_dir = str(write_rollout_model_dir(cfg, hf_config))
+    return dict(
+        kind=r.engine,
+        hf_config=hf_config,
+        model_dir=model_dir,
+        checkpoint=False,  # the weights come from the first push
+        max_model_len=r.max_prompt_len + r.max_new_tokens,
+        eos_token_ids=eos,
+        seed=cfg.trainer.seed,
+        device=device,
+        max_batch_size=r.max_batch_size,
+        tensor_parallel_size=cfg.parallel.tensor_model_parallel_size,
+        gpu_memory_utilization=r.gpu_memory_utilization,
+        dtype=cfg.model.params_dtype,
+        return_routed_experts=cfg.update.routing_replay != "off",
+    )
 
 
 def build_rollout_engine(
@@ -47,40 +101,14 @@ def build_rollout_engine(
     ``policy`` is the trainer's :class:`reco_megatron.megatron.step.engine.ReCoEngine`; the
     ``megatron`` engine decodes on its chunks (required for it, unused by the others)."""
     r = cfg.rollout
-    eos = (tokenizer.eos_id,)
-    sampling = SamplingParams(
-        temperature=r.temperature,
-        top_p=r.top_p,
-        max_new_tokens=r.max_new_tokens,
-        stop_token_ids=eos,
-    )
-    expected = {name: tuple(shape) for name, shape in hf_shapes(cfg.model).items()}
-    hf_config = hf_config_from_model_config(cfg.model)
-    hf_config["eos_token_id"] = tokenizer.eos_id
-    hf_config["pad_token_id"] = tokenizer.pad_id
-    max_len = r.max_prompt_len + r.max_new_tokens
+    sampling = rollout_sampling(cfg, tokenizer)
     if r.engine == "megatron":
-        return RolloutClient(_megatron_engine(cfg, policy, max_len, eos), sampling)
-    model_dir = None
-    if r.engine == "vllm":
-        warn_if_colocation_overflows(cfg)
-        model_dir = write_rollout_model_dir(cfg, hf_config)
-    engine = build_engine(
-        r.engine,
-        hf_config=hf_config,
-        model_dir=model_dir,
-        checkpoint=False,  # the weights come from the first sync_weights
-        max_model_len=max_len,
-        eos_token_ids=eos,
-        seed=cfg.trainer.seed,
-        device=str(device if device is not None else compute_device()),
-        max_batch_size=r.max_batch_size,
-        tensor_parallel_size=cfg.parallel.tensor_model_parallel_size,
-        gpu_memory_utilization=r.gpu_memory_utilization,
-        dtype=cfg.model.params_dtype,
-        return_routed_experts=cfg.update.routing_replay != "off",
-    )
-    return RolloutClient(engine, sampling, expected)
+        max_len = r.max_prompt_len + r.max_new_tokens
+        engine = _megatron_engine(cfg, policy, max_len, (tokenizer.eos_id,))
+        return RolloutClient(engine, sampling)
+    where = str(device if device is not None else compute_device())
+    engine = build_engine(**engine_spec(cfg, tokenizer, where))
+    return RolloutClient(engine, sampling, expected_weights(cfg))
 
 
 def warn_if_colocation_overflows(cfg: TrainConfig) -> list[str]:
@@ -150,6 +178,54 @@ def write_rollout_model_dir(cfg: TrainConfig, hf_config: dict[str, Any]) -> Path
     if dist.is_initialized():
         dist.barrier()
     return out
+
+
+def build_rollout_source(
+    cfg: TrainConfig,
+    tokenizer: Tokenizer,
+    policy: ReCoEngine,
+    converter: str,
+    prompts: PromptSource,
+    layout: Any,
+    run_dir: Path,
+    run_id: str,
+) -> RolloutSource:
+    """The run's source of groups: the colocated engine on this rank, or the separate workers
+    (``rollout.placement``)."""
+    if cfg.rollout.placement == "colocated":
+        client = build_rollout_engine(cfg, tokenizer, policy.device, policy=policy)
+        sync = partial(sync_weights, policy, client, cfg.model, converter)
+        return ColocatedRollout(cfg, client, sync, prompts, layout)
+    from reco_megatron.trainer.separate_rollout import SeparateRollout
+
+    spec = engine_spec(cfg, tokenizer, "auto")
+    sampling, expected = rollout_sampling(cfg, tokenizer), expected_weights(cfg)
+    weights = PolicyStages(policy, cfg.model)
+    return SeparateRollout(cfg, spec, sampling, expected, weights, prompts, layout, run_dir, run_id)
+
+
+@dataclass(frozen=True)
+class PolicyStages:
+    """The policy's weights stage by stage, for the separate workers
+    (:class:`~reco_megatron.trainer.weight_push.StageWeights` over the adapter's push)."""
+
+    policy: ReCoEngine
+    """The training engine whose chunks are exported."""
+    model: ModelConfig
+    """Its architecture (the HF names and shapes)."""
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.policy.on_gpu
+
+    def role(self) -> PushRole:
+        return push_role()
+
+    def plan(self) -> list[tuple[str, tuple[int, ...], torch.dtype, int]]:
+        return push_tensors(self.policy.unwrapped(), self.model)
+
+    def stage_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return stage_hf_weights(self.policy.unwrapped(), self.model)
 
 
 def sync_weights(

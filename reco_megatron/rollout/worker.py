@@ -1,0 +1,261 @@
+"""A rollout worker: one engine in its own process, generating groups for the trainer.
+
+Started by the trainer (``rollout.worker_launch=spawn``) or by the job script
+(``external``, the rollout nodes of ``slurm/reco.sbatch``)::
+
+    python -m reco_megatron.rollout.worker --address RUN_DIR/rollout/address.json --worker-id 0
+
+It connects to the trainer (:mod:`.worker_link`), receives the engine's settings and the push
+plan, joins its weight group (:mod:`.weight_transport`), builds the engine and then serves:
+
+- ``weights`` messages: the control thread receives the version's buckets at once (the
+  trainer never waits for a generation to finish) and stages them;
+- ``generate`` requests, one at a time in the order they came: before each, the newest staged
+  version is loaded into the engine (weights change only between generation calls), and the
+  result carries the version that generated it.
+
+It exits on ``stop``, and within seconds of the trainer's death (the connection closes) or
+silence (no ping for ``timeout`` s): no orphan outlives its trainer. A generation error is
+reported to the trainer, which stops the run with it; it is never swallowed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from reco_megatron.rollout.weight_transport import PushPlan, receive_push, weight_group
+from reco_megatron.rollout.worker_link import Link, connect
+from reco_megatron.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+EXIT_TRAINER_GONE = 3
+
+
+class _Staged:
+    """The newest pushed version not yet loaded (written by the control thread)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.version: int | None = None
+        self.tensors: list[tuple[str, torch.Tensor]] = []
+        self.received = threading.Condition(self.lock)
+
+    def put(self, version: int, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        with self.lock:
+            self.version, self.tensors = version, tensors  # an unloaded older one is dropped
+            self.received.notify_all()
+
+    def take(self) -> tuple[int | None, list[tuple[str, torch.Tensor]]]:
+        with self.lock:
+            version, tensors = self.version, self.tensors
+            self.version, self.tensors = None, []
+            return version, tensors
+
+
+class Worker:
+    """The worker's state: its link, engine, weight group and the version it generates with."""
+
+    def __init__(self, worker_id: int, link: Link, setup: dict[str, Any]) -> None:
+        from reco_megatron.rollout.engines import build_engine
+
+        self.id = worker_id
+        self.link = link
+        self.timeout = float(setup["timeout_s"])
+        self.plan = PushPlan.from_json(setup["plan"])
+        self.expected = {k: tuple(v) for k, v in setup["expected"].items()}
+        self.device = torch.device(setup["transport_device"])
+        self.requests: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self.staged = _Staged()
+        self.version: int | None = None  # loaded into the engine
+        self.idle_since = time.monotonic()
+        self.fatal: str | None = None
+        store = torch.distributed.TCPStore(
+            setup["store_host"],
+            int(setup["store_port"]),
+            is_master=False,
+            timeout=_seconds(self.timeout),
+        )
+        self.group = weight_group(
+            store,
+            setup["group_prefix"],
+            self.plan.senders,
+            self.plan.senders + 1,
+            backend=setup["backend"],
+            timeout_s=self.timeout,
+            device=self.device if self.device.type == "cuda" else None,
+        )
+        spec = dict(setup["engine"])
+        if spec.get("device") == "auto":
+            spec["device"] = "cuda" if torch.cuda.is_available() else "cpu"
+        self.engine = build_engine(**spec)
+
+    # ------------------------------------------------------------ control thread
+    def serve_control(self) -> None:
+        """Read the trainer's messages until ``stop`` (runs in its own thread)."""
+        while True:
+            msg = self.link.inbox.get()
+            kind = msg.get("kind")
+            if kind == "gone":
+                logger.error("rollout worker %d: the trainer is gone (%s); exiting", self.id, msg)
+                os._exit(EXIT_TRAINER_GONE)
+            if kind == "generate":
+                self.requests.put(msg)
+            elif kind == "weights":
+                self._receive(int(msg["version"]))
+            elif kind == "stop":
+                self.requests.put(None)
+                return
+
+    def _receive(self, version: int) -> None:
+        start = time.perf_counter()
+        try:
+            tensors = [
+                (name, tensor)
+                for name, tensor in receive_push(
+                    self.group, self.plan, self.plan.senders, version, self.device
+                )
+            ]
+        except Exception as exc:  # a sender died mid-push, or a version mismatch
+            self.fatal = f"weight push of version {version} failed: {exc}"
+            self.requests.put(None)
+            return
+        self.staged.put(version, tensors)
+        self.link.send({"kind": "received", "version": version, "s": time.perf_counter() - start})
+
+    # ------------------------------------------------------------ generation (main thread)
+    def serve_requests(self) -> None:
+        while True:
+            request = self.requests.get()
+            if request is None:
+                if self.fatal:
+                    self.link.send({"kind": "error", "request": None, "message": self.fatal})
+                return
+            idle = time.monotonic() - self.idle_since
+            try:
+                self._load_newest(int(request["min_version"]))
+                start = time.perf_counter()
+                out = self.engine.generate(
+                    request["prompts"], int(request["n"]), request["sampling"]
+                )
+            except Exception as exc:
+                self.link.send(
+                    {
+                        "kind": "error",
+                        "request": request["id"],
+                        "message": f"{type(exc).__name__}: {exc}",
+                    }
+                )
+                return
+            self.idle_since = time.monotonic()
+            self.link.send(
+                {
+                    "kind": "result",
+                    "request": request["id"],
+                    "version": self.version,
+                    "completions": out,
+                    "generate_s": time.perf_counter() - start,
+                    "idle_s": idle,
+                }
+            )
+
+    def _load_newest(self, min_version: int) -> None:
+        """Load the newest staged version; wait for one when the engine's is below
+        ``min_version`` (the request was sent after that version's push)."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            version, tensors = self.staged.take()
+            if version is not None:
+                self.engine.update_weights(iter(tensors), expected=self.expected)
+                self.version = version
+                del tensors
+            if self.version is not None and self.version >= min_version:
+                return
+            with self.staged.lock:
+                if self.staged.version is None:
+                    self.staged.received.wait(timeout=1.0)
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"rollout worker {self.id}: no weights of version >= {min_version} within "
+                    f"{self.timeout:.0f} s (the request came before its push)"
+                )
+
+
+def _seconds(s: float):
+    import datetime
+
+    return datetime.timedelta(seconds=s)
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGTERM this process when the process that spawned it dies."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError):  # PR_SET_PDEATHSIG = 1
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+
+
+def _beat(link: Link, worker: list[Worker | None], interval: float, timeout: float) -> None:
+    while True:
+        time.sleep(interval)
+        if time.monotonic() - link.last_heard > timeout:
+            logger.error("rollout worker: the trainer has been silent for %.0f s; exiting", timeout)
+            os._exit(EXIT_TRAINER_GONE)
+        w = worker[0]
+        try:
+            link.send({"kind": "heartbeat", "version": None if w is None else w.version})
+        except ConnectionError:
+            os._exit(EXIT_TRAINER_GONE)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m reco_megatron.rollout.worker", description=__doc__)
+    p.add_argument("--address", type=Path, required=True, help="the run's rollout/address.json")
+    p.add_argument("--worker-id", type=int, required=True)
+    p.add_argument("--connect-timeout", type=float, default=600.0)
+    p.add_argument("--spawned", action="store_true", help="die with the parent process")
+    args = p.parse_args(argv)
+    if args.spawned:
+        _die_with_parent()
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(128 + signal.SIGTERM))
+    _, conn = connect(args.address, args.connect_timeout)
+    link = Link(conn, "trainer").start()
+    hello = {"kind": "hello", "worker": args.worker_id, "pid": os.getpid()}
+    link.send({**hello, "cuda": torch.cuda.is_available()})
+    setup = link.receive(args.connect_timeout, "the trainer's setup")
+    if setup.get("kind") != "setup":
+        raise SystemExit(f"rollout worker {args.worker_id}: expected setup, got {setup!r}")
+    holder: list[Worker | None] = [None]
+    timeout = float(setup["timeout_s"])
+    beat = threading.Thread(
+        target=_beat, args=(link, holder, float(setup["heartbeat_s"]), timeout), daemon=True
+    )
+    beat.start()
+    try:
+        worker = Worker(args.worker_id, link, setup)
+    except Exception as exc:
+        link.send({"kind": "error", "request": None, "message": f"start-up: {exc}"})
+        raise
+    holder[0] = worker
+    link.send({"kind": "ready", "worker": args.worker_id})
+    control = threading.Thread(target=worker.serve_control, name="control", daemon=True)
+    control.start()
+    worker.serve_requests()
+    worker.engine.close()
+    link.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
