@@ -32,6 +32,7 @@ from reco_megatron.megatron import (
     push_tensors,
     stage_hf_weights,
 )
+from reco_megatron.parallel.layout import RankLayout
 from reco_megatron.rollout.base import RolloutEngine, SamplingParams
 from reco_megatron.rollout.engines import build_engine
 from reco_megatron.trainer.config import TrainConfig
@@ -186,7 +187,7 @@ def build_rollout_source(
     policy: ReCoEngine,
     converter: str,
     prompts: PromptSource,
-    layout: Any,
+    layout: RankLayout,
     run_dir: Path,
     run_id: str,
 ) -> RolloutSource:

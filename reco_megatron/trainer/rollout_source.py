@@ -17,9 +17,11 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from reco_megatron.data.chat import PromptFormatter
+from reco_megatron.data.dataset import PromptDataset
 from reco_megatron.data.sampler import PromptSampler
 from reco_megatron.data.tokenizer import Tokenizer
 from reco_megatron.parallel.batch import data_parallel_groups
+from reco_megatron.parallel.layout import RankLayout
 from reco_megatron.rollout.base import Completion, RolloutEngine
 from reco_megatron.trainer.config import TrainConfig
 from reco_megatron.trainer.rollout_agreement import agree_on_completions
@@ -94,7 +96,7 @@ class PromptSource:
     def __init__(
         self,
         cfg: TrainConfig,
-        dataset: Any,
+        dataset: PromptDataset,
         tokenizer: Tokenizer,
         formatter: PromptFormatter,
         sampler: PromptSampler,
@@ -133,7 +135,7 @@ class ColocatedRollout:
         client: RolloutClient,
         sync: Callable[[], None],
         prompts: PromptSource,
-        layout: Any,
+        layout: RankLayout,
     ) -> None:
         self.cfg = cfg
         self.client = client

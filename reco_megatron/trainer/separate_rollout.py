@@ -22,11 +22,13 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from reco_megatron.parallel.layout import RankLayout
 from reco_megatron.rollout.base import RolloutEngine, SamplingParams
 from reco_megatron.rollout.weight_transport import PushPlan, TensorSpec, dtype_name
 from reco_megatron.trainer.config import TrainConfig
@@ -50,8 +52,8 @@ class SeparateRollout:
         expected: dict[str, tuple[int, ...]],
         policy: StageWeights,
         prompts: PromptSource,
-        layout: Any,
-        run_dir: Any,
+        layout: RankLayout,
+        run_dir: Path,
         run_id: str,
     ) -> None:
         r = cfg.rollout

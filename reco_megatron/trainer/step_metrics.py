@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from reco_megatron.algo import diversity_metrics, pass_at_k
 from reco_megatron.parallel.collectives import collective_device
+from reco_megatron.parallel.layout import RankLayout
 from reco_megatron.rollout.base import Completion
 
 
@@ -47,15 +48,6 @@ class MetricsSource(Protocol):
 
     def broadcast_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
         """The last pipeline stage's ``metrics`` on every rank (collective)."""
-        ...
-
-
-class DataParallelLayout(Protocol):
-    """What a step's row needs of the rank layout (``rank_layout()``)."""
-
-    @property
-    def dp_group(self) -> dist.ProcessGroup | None:
-        """This rank's data-parallel group (the counters are summed over it)."""
         ...
 
 
@@ -110,7 +102,7 @@ def global_row(
     reward_metrics: dict[str, float],
     adv_metrics: dict[str, Any],
     engine: MetricsSource,
-    layout: DataParallelLayout,
+    layout: RankLayout,
 ) -> dict[str, Any]:
     """One ``metrics.jsonl`` row: the rollout counters summed over DP ranks (collective over
     ``layout.dp_group``), the engine's per-update metrics (already global, broadcast from the
