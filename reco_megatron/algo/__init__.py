@@ -18,7 +18,12 @@ from reco_megatron.algo.passk import diversity_metrics, pass_at_k
 from reco_megatron.algo.policy_loss import c_growth, policy_loss
 from reco_megatron.algo.ratios import TokenRatio, token_ratio
 from reco_megatron.algo.token_stats import TokenStats, token_stats_reference
-from reco_megatron.algo.weights import response_weights
+from reco_megatron.algo.weights import (
+    batch_response_weights,
+    check_weight_policy,
+    response_weights,
+    weight_logprobs,
+)
 
 __all__ = [
     "PER_TOKEN_WEIGHT_MODES",
@@ -29,7 +34,9 @@ __all__ = [
     "TokenRatio",
     "TokenStats",
     "aggregate",
+    "batch_response_weights",
     "c_growth",
+    "check_weight_policy",
     "diversity_metrics",
     "group_advantages",
     "merge_metrics",
@@ -39,4 +46,5 @@ __all__ = [
     "response_weights",
     "token_ratio",
     "token_stats_reference",
+    "weight_logprobs",
 ]

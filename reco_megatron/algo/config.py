@@ -18,6 +18,7 @@ WeightMode = Literal["sequence", "geometric", "empirical", "prefix", "prefix_emp
 RatioMode = Literal["importance", "bernoulli", "categorical"]
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 KLEstimator = Literal["k1", "k3"]
+WeightPolicy = Literal["auto", "proximal", "behaviour"]
 
 # The valid values, read from the Literal types above (one list per choice): the loader checks
 # the types of a config file; these let direct callers of the algo functions be checked too.
@@ -31,6 +32,9 @@ TOKEN_ID_WEIGHT_MODES: tuple[str, ...] = ("empirical", "prefix_empirical")
 RATIO_MODES: tuple[str, ...] = get_args(RatioMode)
 AGGREGATIONS: tuple[str, ...] = get_args(Aggregation)
 KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
+WEIGHT_POLICIES: tuple[str, ...] = get_args(WeightPolicy)
+LOGPROB_WEIGHT_MODES: tuple[str, ...] = ("sequence", "geometric", "prefix")
+"""Response weight modes that read log-probs (the others count tokens or give ones)."""
 
 
 def _choice(name: str, value: object, valid: tuple[str, ...]) -> None:
@@ -81,6 +85,18 @@ class LossConfig:
     (1/max(1, G pi_old(o_<=t)) on token t) and ``prefix_empirical`` (1/number of group
     members sharing the prefix o_<=t), or ``none``. Any mode other than ``none`` requires
     ``weights=`` in :func:`policy_loss`, computed on complete groups."""
+
+    response_weight_policy: WeightPolicy = "auto"
+    """Which policy's log-probs the response weight reads: the expected occurrence of a
+    response is under the policy that *sampled* its group. ``proximal``: pi_old, the trainer's
+    old-policy pass. ``behaviour``: mu, the log-probs the rollout engine reported while
+    sampling (``rollout_logprobs``; a batch without them is an error). ``auto``: ``behaviour``
+    with ``rollout.placement=separate`` and ``max_staleness`` > 0 (groups from weights up to
+    that many steps old), else ``proximal``, so colocated runs (and separate ones with
+    ``max_staleness=0``) are unchanged. Only the modes that read
+    log-probs (``sequence``, ``geometric``, ``prefix``) depend on it; ``empirical``,
+    ``prefix_empirical`` and ``none`` are unaffected. The clip and the token ratio c stay on
+    pi / pi_old whatever this says (``docs/loss.md``, "Stale groups")."""
 
     token_ratio: RatioMode = "bernoulli"
     """Detached per-token coefficient of the ``reco`` objective: ``importance`` (r = p/p_old,
@@ -169,13 +185,23 @@ class LossConfig:
     """Truncated importance sampling of the train/inference mismatch: each token's policy
     term is multiplied by ``min(p_old / p_rollout, tis_cap)`` (detached), where ``p_rollout``
     is what the inference engine reported; kept separate from ReCo's token ratio. ``None``
-    disables it; 2.0 is the value of the TIS paper. Needs ``rollout_logp=``."""
+    disables it; 2.0 is the value of the TIS paper (>= 1: the weight is 1 where the engine
+    sampled from pi_old). Needs ``rollout_logp=``. With stale groups
+    (``rollout.placement=separate``) it is decoupled PPO's correction from the behaviour
+    policy to pi_old (``docs/loss.md``, "Stale groups")."""
 
     def __post_init__(self) -> None:
         _optional_positive("tis_cap", self.tis_cap, "2.0 is the TIS paper's value")
+        if self.tis_cap is not None and self.tis_cap < 1.0:
+            raise ValueError(
+                f"tis_cap must be >= 1 or None, got {self.tis_cap!r}: where the rollout engine "
+                "sampled from pi_old the weight is min(1, tis_cap), so a cap below 1 scales "
+                "every token down (2.0 is the TIS paper's value)"
+            )
         _choice("objective", self.objective, OBJECTIVES)
         _choice("advantage_mode", self.advantage_mode, ADVANTAGE_MODES)
         _choice("response_weight", self.response_weight, WEIGHT_MODES)
+        _choice("response_weight_policy", self.response_weight_policy, WEIGHT_POLICIES)
         _choice("token_ratio", self.token_ratio, RATIO_MODES)
         _choice("aggregation", self.aggregation, AGGREGATIONS)
         _choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)

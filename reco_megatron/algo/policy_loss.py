@@ -88,7 +88,8 @@ def policy_loss(
 
     Args:
         logp: ``[B, T]`` log p of the sampled tokens under the current policy (with grad).
-        logp_old: ``[B, T]`` the same under the policy that sampled them (no grad).
+        logp_old: ``[B, T]`` the same under the old (proximal) policy pi_old (no grad): the
+            policy that sampled them, or with stale groups the one the clip is centred on.
         advantages: ``[B]`` per-response advantages (:func:`group_advantages`).
         mask: ``[B, T]`` 1 on response tokens.
         cfg: the loss configuration.
@@ -101,8 +102,9 @@ def policy_loss(
         ref_logp: ``[B, T]`` reference-policy log-probs; required when ``cfg.kl_coef > 0``.
         global_num_tokens, global_num_seqs: counts of the whole global batch (see
             :func:`aggregate`); ``None`` means this batch is the whole batch.
-        rollout_logp: ``[B, T]`` log-probs reported by the inference engine; required when
-            ``cfg.tis_cap`` is set (truncated importance sampling of the mismatch).
+        rollout_logp: ``[B, T]`` log-probs reported by the inference engine (the behaviour
+            policy mu); required when ``cfg.tis_cap`` is set (truncated importance sampling of
+            the mismatch, decoupled PPO's ``min(pi_old / mu, C)`` on every policy term).
 
     Per-token policy term (``r = p / p_old``, A the advantage, w the weight):
         - ``ppo_clip``: ``w * max(-r A, -clip(r, 1-eps_low, 1+eps_high) A)``, optionally

@@ -15,7 +15,16 @@ import math
 import torch
 
 from reco_megatron.algo.advantages import check_groups
-from reco_megatron.algo.config import PER_TOKEN_WEIGHT_MODES, TOKEN_ID_WEIGHT_MODES, WEIGHT_MODES
+from reco_megatron.algo.config import (
+    LOGPROB_WEIGHT_MODES,
+    PER_TOKEN_WEIGHT_MODES,
+    TOKEN_ID_WEIGHT_MODES,
+    WEIGHT_MODES,
+    LossConfig,
+)
+
+RESOLVED_WEIGHT_POLICIES: tuple[str, ...] = ("proximal", "behaviour")
+"""What ``LossConfig.response_weight_policy`` resolves to once the placement is known."""
 
 PREFIX_COUNT_CHUNK_ELEMENTS = 1 << 24
 """Bound on the ``[groups, G, G, T]`` pairwise comparison :func:`prefix_counts` holds at once
@@ -91,6 +100,56 @@ def prefix_counts(response_ids: torch.Tensor, mask: torch.Tensor, group_size: in
     return torch.cat(out, dim=0).view(-1, t) if out else keys.view(-1, t)
 
 
+def check_weight_policy(policy: object) -> None:
+    """Raise unless ``policy`` is a resolved response weight policy (``proximal`` or
+    ``behaviour``; ``auto`` is resolved by ``TrainConfig.response_weight_policy``)."""
+    if policy not in RESOLVED_WEIGHT_POLICIES:
+        raise ValueError(
+            f"response weight policy must be one of {RESOLVED_WEIGHT_POLICIES} once resolved, "
+            f"got {policy!r} (TrainConfig.response_weight_policy resolves 'auto')"
+        )
+
+
+def weight_logprobs(
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor | None,
+    mask: torch.Tensor,
+    policy: str,
+    mode: str,
+) -> torch.Tensor:
+    """The log-probs :func:`response_weights` reads, ``[B*G, T]`` in ``old_logprobs``' dtype.
+
+    Args:
+        old_logprobs: ``[B*G, T]`` log pi_old of the sampled tokens (the old-policy pass).
+        rollout_logprobs: ``[B*G, T]`` log mu, what the rollout engine reported while sampling,
+            or ``None``.
+        mask: ``[B*G, T]`` 1 on response tokens.
+        policy: ``proximal`` (returns ``old_logprobs`` itself) or ``behaviour`` (mu, cast to
+            ``old_logprobs.dtype``, 0 at padded positions so whatever the engine put there,
+            -inf or NaN, stays out). A mode that reads no log-probs (``empirical``,
+            ``prefix_empirical``, ``none``) gets ``old_logprobs`` under either policy.
+        mode: the response weight mode (``LossConfig.response_weight``).
+    """
+    check_weight_policy(policy)
+    if policy == "proximal" or mode not in LOGPROB_WEIGHT_MODES:
+        return old_logprobs
+    if rollout_logprobs is None:
+        raise ValueError(
+            f"response_weight_policy='behaviour' with response_weight={mode!r} reads the "
+            "rollout engine's log-probs of the sampled tokens, but the batch has no "
+            "rollout_logprobs: fill RolloutBatch.rollout_logprobs [B, S] with them (the "
+            "trainer's rollout engines always do), or set loss.response_weight_policy="
+            "proximal to weigh responses by the old-policy pass"
+        )
+    if rollout_logprobs.shape != old_logprobs.shape:
+        raise ValueError(
+            f"rollout_logprobs must match old_logprobs {tuple(old_logprobs.shape)}, got "
+            f"{tuple(rollout_logprobs.shape)}"
+        )
+    mu = rollout_logprobs.detach().to(device=old_logprobs.device, dtype=old_logprobs.dtype)
+    return torch.where(mask.bool(), mu, torch.zeros_like(mu))
+
+
 def response_weights(
     logp_old: torch.Tensor,
     mask: torch.Tensor,
@@ -105,7 +164,9 @@ def response_weights(
     ``w [B*G, T]`` per token for the ``prefix`` modes (:data:`PER_TOKEN_WEIGHT_MODES`).
 
     Args:
-        logp_old: ``[B*G, T]`` log-probs of the sampled tokens under the old (rollout) policy.
+        logp_old: ``[B*G, T]`` log-probs of the sampled tokens under the policy that sampled
+            the group (pi_old, or the rollout engine's mu with stale groups:
+            :func:`weight_logprobs`).
         mask: ``[B*G, T]`` 1 on response tokens, 0 on prompt/padding.
         group_size: G; rows are complete, consecutive groups (``B*G % G == 0``, else
             ``ValueError``).
@@ -168,3 +229,30 @@ def response_weights(
     # u / mean_group(u) == G * softmax(log u) within the group: exact, overflow-free.
     w = group_size * torch.softmax(log_u, dim=1)
     return w.reshape(-1).clamp(min=w_min, max=w_max).float()
+
+
+def batch_response_weights(
+    cfg: LossConfig,
+    old_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    group_size: int,
+    *,
+    policy: str = "proximal",
+    rollout_logprobs: torch.Tensor | None = None,
+    response_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`response_weights` as ``cfg`` configures them (mode, geometric clip), on the
+    log-probs ``policy`` names (:func:`weight_logprobs`): ``[B*G]``, or ``[B*G, T]`` for the
+    prefix modes. ``old_logprobs``, ``mask``, ``rollout_logprobs``, ``response_ids``:
+    ``[B*G, T]`` of complete groups; the token ids are read only by the counting modes."""
+    mode = cfg.response_weight
+    logp = weight_logprobs(old_logprobs, rollout_logprobs, mask, policy, mode)
+    return response_weights(
+        logp,
+        mask,
+        group_size,
+        mode,
+        response_ids=response_ids if mode in TOKEN_ID_WEIGHT_MODES else None,
+        w_min=cfg.geometric_w_min,
+        w_max=cfg.geometric_w_max,
+    )

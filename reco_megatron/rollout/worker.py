@@ -94,12 +94,14 @@ class Worker:
             self.plan.senders,
             self.plan.senders + 1,
             backend=setup["backend"],
-            timeout_s=self.timeout,
+            timeout_s=float(setup["receive_timeout_s"]),
             device=self.device if self.device.type == "cuda" else None,
         )
         spec = dict(setup["engine"])
         if spec.get("device") == "auto":
             spec["device"] = "cuda" if torch.cuda.is_available() else "cpu"
+        if spec["kind"] == "vllm":
+            _own_world()
         self.engine = build_engine(**spec)
 
     # ------------------------------------------------------------ control thread
@@ -191,6 +193,23 @@ class Worker:
                     f"rollout worker {self.id}: no weights of version >= {min_version} within "
                     f"{self.timeout:.0f} s (the request came before its push)"
                 )
+
+
+def _own_world() -> None:
+    """A one-process default group: vLLM's external launcher (how the engine runs vLLM in
+    its own process, colocated or not) builds its groups inside an initialised world."""
+    import socket
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    if torch.cuda.is_available():
+        torch.cuda.set_device(0)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 
 
 def _seconds(s: float):

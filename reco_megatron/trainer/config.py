@@ -16,6 +16,7 @@ checkpoint) is :func:`reco_megatron.trainer.preflight.preflight`'s.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from typing import Literal
 
 from reco_megatron.algo import LossConfig
 from reco_megatron.data.dataset import DatasetConfig
@@ -109,6 +110,20 @@ class TrainConfig:
             self._check_separate_rollout()
         self._check_token_budget()
         self._check_held_out_set()
+
+    @property
+    def response_weight_policy(self) -> Literal["proximal", "behaviour"]:
+        """Whose log-probs the response weights read (``loss.response_weight_policy``,
+        resolved): ``auto`` is ``behaviour`` (the rollout engine's mu) when groups may come
+        from older weights (``rollout.placement=separate`` with a staleness bound K > 0), else
+        ``proximal`` (the old-policy pass, pi_old): colocated, and separate with K = 0, which
+        samples from the current weights and stays bit for bit the colocated run. An explicit
+        value is kept."""
+        policy = self.loss.response_weight_policy
+        if policy == "auto":
+            stale = self.rollout.placement == "separate" and self.rollout.staleness_bound > 0
+            return "behaviour" if stale else "proximal"
+        return policy
 
     def prompt_dataset(self) -> DatasetConfig:
         """How the trainer reads its prompt files: ``data.dataset`` with the prompt budget of

@@ -77,6 +77,14 @@ SAFE_ON_RESUME: tuple[str, ...] = (
     "reward.self_check",
     "reward.max_failed_frac",
     "rollout.engine",
+    "rollout.placement",
+    "rollout.max_staleness",
+    "rollout.num_workers",
+    "rollout.worker_launch",
+    "rollout.worker_gpus",
+    "rollout.worker_timeout_s",
+    "rollout.worker_failure",
+    "rollout.weight_bucket_mb",
     "rollout.gpu_memory_utilization",
     "rollout.max_batch_size",
     "update.stats_implementation",
@@ -89,6 +97,19 @@ SAFE_ON_RESUME: tuple[str, ...] = (
 """Dotted keys (or prefixes ending in ``.``) that may change on resume: how the run is
 scheduled, watched, logged, parallelised and scored for failures, not what it trains on or
 towards. ``parallel.*`` layouts that cannot load the checkpoint are refused by the loader."""
+
+ADDED_KEYS: dict[str, Any] = {
+    "rollout.placement": "colocated",
+    "rollout.num_workers": 1,
+    "rollout.worker_launch": "spawn",
+    "rollout.worker_timeout_s": 300.0,
+    "rollout.worker_failure": "stop",
+    "rollout.weight_bucket_mb": 256,
+    "loss.response_weight_policy": "auto",
+}
+"""Keys later versions added, each with the value that does what versions before it did: a
+checkpoint's config without the key is no change at that value (neutral values -- None,
+empty, False -- need no entry)."""
 
 _WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
 
@@ -131,6 +152,8 @@ def diff_configs(
             continue
         if key not in old and key in new and new[key] in (None, "", [], False):
             continue  # a key this version added, at a neutral value
+        if key not in old and key in ADDED_KEYS and new[key] == ADDED_KEYS[key]:
+            continue  # a key this version added, at the value older versions behaved as
         if key in old and key not in new and old[key] in (None, "", [], False):
             continue  # a key this version removed, which was at a neutral value
         entry = (key, old.get(key), new.get(key))

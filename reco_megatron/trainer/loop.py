@@ -117,6 +117,7 @@ class Trainer:
             cfg.update,
             total_optimizer_steps=total_updates,
             seed=cfg.trainer.seed,
+            response_weight_policy=cfg.response_weight_policy,
         )
         self.converter = setup.hf_converter(cfg, on_gpu=self.engine.on_gpu)
         prompts = PromptSource(cfg, self.dataset, self.tokenizer, self.formatter, self.sampler)

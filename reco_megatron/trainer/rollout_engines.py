@@ -63,6 +63,7 @@ def engine_spec(cfg: TrainConfig, tokenizer: Tokenizer, device: str) -> dict[str
     """The keyword arguments of :func:`reco_megatron.rollout.engines.build_engine` for the
     run's ``embedded`` or ``vllm`` engine (plain data: a separate worker receives them)."""
     r = cfg.rollout
+    tp = cfg.parallel.tensor_model_parallel_size
     eos = (tokenizer.eos_id,)
     hf_config = hf_config_from_model_config(cfg.model)
     hf_config["eos_token_id"] = tokenizer.eos_id
@@ -82,7 +83,8 @@ def engine_spec(cfg: TrainConfig, tokenizer: Tokenizer, device: str) -> dict[str
         seed=cfg.trainer.seed,
         device=device,
         max_batch_size=r.max_batch_size,
-        tensor_parallel_size=cfg.parallel.tensor_model_parallel_size,
+        # colocated vLLM shards like the trainer; a separate worker is one GPU (docs/rollout.md)
+        tensor_parallel_size=tp if r.placement == "colocated" else 1,
         gpu_memory_utilization=r.gpu_memory_utilization,
         dtype=cfg.model.params_dtype,
         return_routed_experts=cfg.update.routing_replay != "off",

@@ -196,6 +196,8 @@ class SeparateRollout:
         """Split step ``step``'s groups over the live workers, one request each (rank 0)."""
         assert self.pool is not None
         alive = self.pool.alive
+        if self.failure is not None or not alive:
+            return  # the run stops at the next step (the failure is recorded)
         n = len(drawn.indices)
         bounds = [round(i * n / len(alive)) for i in range(len(alive) + 1)]
         self.chunks[step] = []

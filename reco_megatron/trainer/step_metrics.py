@@ -64,6 +64,8 @@ UPDATE_METRICS: tuple[tuple[str, str, str], ...] = (
     ("grad_norm", "grad_norm", "mean"),
     ("grad_norm", "grad_norm_max", "max"),
     ("kl_old_new", "kl_old_new", "mean"),
+    ("tis_weight", "tis_weight_mean", "mean"),
+    ("tis_clip_frac", "tis_clip_frac", "mean"),
     ("token_ratio_max", "token_ratio_max", "max"),
     ("ratio_max", "ratio_max", "max"),
     ("lr", "lr", "mean"),
@@ -72,7 +74,8 @@ UPDATE_METRICS: tuple[tuple[str, str, str], ...] = (
 """How each per-update engine metric becomes one number per RL step: ``mean`` over the
 updates, ``max`` (a maximum stays a maximum: the first update of a rollout batch always has
 r = c = 1, so a mean would halve a spike) or ``sum`` (counts). A metric absent from every
-update is NaN (e.g. ``weight_mean`` without response weights)."""
+update is NaN (e.g. ``weight_mean`` without response weights, ``tis_*`` without
+``loss.tis_cap``)."""
 
 
 def combine_updates(updates: list[dict[str, float]]) -> dict[str, float]:

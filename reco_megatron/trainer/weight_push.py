@@ -120,6 +120,9 @@ class WeightPusher:
                         "backend": self.backend,
                         "transport_device": "cuda" if self.backend == "nccl" else "cpu",
                         "timeout_s": timeout,
+                        # a sender waits up to one timeout on each dead worker before it
+                        # moves on: a live worker's receive must outlast all of them
+                        "receive_timeout_s": timeout * (1 + len(self.worker_ids)),
                         "heartbeat_s": pool.heartbeat_s,
                     }
                     for wid in self.worker_ids

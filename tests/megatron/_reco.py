@@ -95,6 +95,7 @@ def build_engine(
     fused_output_layer: bool = False,
     sequence_parallel: bool = False,
     vp: int | None = None,
+    response_weight_policy: str = "proximal",
     **update: Any,
 ) -> ReCoEngine:
     """An engine for the tiny model. ``adam_eps`` is large on purpose: Adam's first step is
@@ -122,6 +123,7 @@ def build_engine(
             **update,
         ),
         total_optimizer_steps=10,
+        response_weight_policy=response_weight_policy,
     )
 
 

@@ -50,6 +50,23 @@ def test_keys_an_older_config_had_resume() -> None:
     assert diff_configs(saved, now, {}, {}).trained == []
 
 
+def test_keys_this_version_added_are_no_change_at_the_old_behaviour() -> None:
+    """A checkpoint written before separate placement existed resumes colocated without a
+    change; resuming it with the workers is a safe change, logged."""
+    saved: dict = {"rollout": {"group_size": 8}, "loss": {"objective": "reco"}}
+    now = {
+        "rollout": {"group_size": 8, "placement": "colocated", "num_workers": 1},
+        "loss": {"objective": "reco", "response_weight_policy": "auto"},
+    }
+    diff = diff_configs(saved, now, {}, {})
+    assert diff.safe == diff.trained == []
+    now["rollout"]["placement"] = "separate"
+    now["loss"]["response_weight_policy"] = "behaviour"
+    diff = diff_configs(saved, now, {}, {})
+    assert diff.safe == [("rollout.placement", None, "separate")]
+    assert diff.trained == [("loss.response_weight_policy", None, "behaviour")]
+
+
 def _train(out: Path, *extra: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "reco_megatron.train", "examples/tiny_cpu.yaml", *BASE]
     return subprocess.run(

@@ -77,3 +77,20 @@ def test_trainer_runs_on_real_vllm(tmp_path: Path, tp: int) -> None:
     result = json.loads((tmp_path / "eval" / "passk.json").read_text())
     assert [e["label"] for e in result["checkpoints"]] == ["base", "trained"]
     assert {e["protocol"]["engine"] for e in result["checkpoints"]} == {"vllm"}
+
+
+def test_a_separate_vllm_worker_trains_on_pushed_weights(tmp_path: Path) -> None:
+    """The production path of separate placement: a vLLM worker in its own process gets the
+    weights over its gloo group and generates while the trainer trains (K = 1). The first
+    step's groups come from the pushed start weights, so their log-probs must match the
+    trainer's to fp32 rounding; the later ones are one step old (staleness 1)."""
+    extra = [
+        "rollout.placement=separate", "rollout.max_staleness=1", "loss.tis_cap=2.0",
+        "trainer.max_steps=3", f"trainer.output_dir={tmp_path}",
+    ]  # fmt: skip
+    assert main(["examples/tiny_cpu.yaml", *RUN, *extra]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[0]["staleness_max"] == 0 and rows[0]["logprob_mismatch"] < 1e-5, rows[0]
+    assert max(r["staleness_max"] for r in rows) == 1
+    assert all(r["response_len_mean"] > 0 and r["weight_push_s"] > 0 for r in rows)

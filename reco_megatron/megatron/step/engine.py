@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from reco_megatron.algo import TOKEN_ID_WEIGHT_MODES, LossConfig, response_weights
+from reco_megatron.algo import LossConfig, batch_response_weights, check_weight_policy
 from reco_megatron.megatron.device import resolve_device
 from reco_megatron.megatron.distributed import ParallelConfig
 from reco_megatron.megatron.model.build import build_model, fuse_output_layer, transformer_config
@@ -51,7 +51,7 @@ from reco_megatron.megatron.step.loss_layer import (
     sft_loss_func,
     statistics_func,
 )
-from reco_megatron.megatron.step.metrics import reduce_metrics
+from reco_megatron.megatron.step.metrics import mismatch_sums, reduce_metrics
 from reco_megatron.megatron.step.microbatching import (
     MicroBatchPlan,
     scatter_rows,
@@ -71,6 +71,8 @@ class ReCoEngine:
     Must be constructed after :func:`reco_megatron.megatron.distributed.initialize_parallel`.
     ``device``: where the model and its computations live; None (the default) is the current
     CUDA device when CUDA is available, else the CPU (``engine.device`` holds the answer).
+    ``response_weight_policy``: whose log-probs the response weights read, resolved
+    (``TrainConfig.response_weight_policy``): ``proximal`` (pi_old) or ``behaviour`` (mu).
     """
 
     def __init__(
@@ -83,11 +85,15 @@ class ReCoEngine:
         total_optimizer_steps: int,
         seed: int = 1234,
         device: torch.device | str | None = None,
+        *,
+        response_weight_policy: str = "proximal",
     ) -> None:
         from megatron.core import parallel_state as ps
 
         self.model_cfg, self.parallel, self.loss_cfg = model, parallel, loss
         self.optim_cfg, self.update = optim, update
+        check_weight_policy(response_weight_policy)
+        self.response_weight_policy = response_weight_policy
         self.device = resolve_device(device)
         """Where the model lives and every batch is moved to (``cpu`` or the current CUDA)."""
         self.on_gpu = self.device.type == "cuda"
@@ -252,26 +258,21 @@ class ReCoEngine:
         mask = batch.loss_mask
         old = stats["logprob"]
         ref = self._statistics(batch, reference=True)["logprob"] if self.ref_model else None
-        mode = self.loss_cfg.response_weight
-        weights = response_weights(  # [B] per response, [B, S] per token (prefix modes)
+        weights = batch_response_weights(  # [B] per response, [B, S] per token (prefix modes)
+            self.loss_cfg,
             old,
             mask,
             batch.group_size,
-            mode,
-            response_ids=batch.labels if mode in TOKEN_ID_WEIGHT_MODES else None,
-            w_min=self.loss_cfg.geometric_w_min,
-            w_max=self.loss_cfg.geometric_w_max,
+            policy=self.response_weight_policy,
+            rollout_logprobs=batch.rollout_logprobs,
+            response_ids=batch.labels,
         )
         n_tok = mask.sum()
         metrics["num_response_tokens/sum"] = n_tok
         metrics["old_entropy/wsum"] = (stats["entropy"] * mask).sum()
         if batch.rollout_logprobs is not None:
-            diff = (batch.rollout_logprobs.to(old.dtype) - old).abs() * mask
-            metrics["logprob_mismatch/wsum"] = diff.sum()
-            metrics["logprob_mismatch_max/max"] = diff.max()
-            if free is not None:
-                diff = (batch.rollout_logprobs.to(old.dtype) - free["logprob"]).abs() * mask
-                metrics["logprob_mismatch_free/wsum"] = diff.sum()
+            free_lp = None if free is None else free["logprob"]
+            metrics.update(mismatch_sums(batch.rollout_logprobs, old, mask, free_lp))
         prepared = replace(
             batch,
             old_logprobs=old,

@@ -85,3 +85,22 @@ def reduce_metrics(
     if "loss_numerator" in out and "loss_denominator" in out:
         out["loss"] = out["loss_numerator"] / max(out["loss_denominator"], 1.0)
     return out
+
+
+def mismatch_sums(
+    rollout_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    free_logprobs: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """Rollout/trainer log-prob gap of one batch as ``wsum``/``max`` metrics (``[B, S]`` in):
+    ``logprob_mismatch`` (mean of ``|mu - pi_old|`` over response tokens once reduced),
+    ``logprob_mismatch_max`` and, given the log-probs of a pass without routing replay,
+    ``logprob_mismatch_free``. With stale groups it is how far the behaviour policy mu is
+    from the proximal one."""
+    mu = rollout_logprobs.to(old_logprobs.dtype)
+    diff = (mu - old_logprobs).abs() * mask
+    out = {"logprob_mismatch/wsum": diff.sum(), "logprob_mismatch_max/max": diff.max()}
+    if free_logprobs is not None:
+        out["logprob_mismatch_free/wsum"] = ((mu - free_logprobs).abs() * mask).sum()
+    return out

@@ -1,0 +1,50 @@
+"""The separate-placement keys are checked on load: each bad combination is refused before
+any compute with one line that quotes the value and says what to do."""
+
+from __future__ import annotations
+
+import pytest
+
+from reco_megatron.trainer.rollout_config import RolloutConfig
+from tests.trainer.test_bad_config import _refused
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["rollout.max_staleness=1"], "rollout.max_staleness=1 with rollout.placement=colocated"),
+        (["rollout.placement=separate"], "set loss.tis_cap (2.0 is the usual cap)"),
+        (["rollout.placement=separate", "rollout.max_staleness=-1"], "got -1"),
+        (
+            ["rollout.placement=separate", "rollout.max_staleness=0", "eval.interval=5"],
+            "eval.interval=5 with rollout.placement=separate",
+        ),
+        (
+            ["rollout.placement=separate", "rollout.max_staleness=0", "rollout.engine=megatron"],
+            "rollout.placement=separate with rollout.engine=megatron",
+        ),
+        (
+            ["rollout.placement=separate", "rollout.max_staleness=0", "rollout.worker_gpus=[0]",
+             "rollout.num_workers=2"],
+            "rollout.worker_gpus=[0]: give one GPU per spawned worker",
+        ),
+        (
+            ["rollout.placement=separate", "rollout.max_staleness=0", "rollout.worker_gpus=[1,1]",
+             "rollout.num_workers=2"],
+            "names a GPU twice",
+        ),
+        (["rollout.num_workers=0"], "rollout.num_workers must be a positive integer, got 0"),
+        (["rollout.worker_timeout_s=0"], "rollout.worker_timeout_s must be a number of seconds"),
+        (["rollout.placement=elsewhere"], "elsewhere"),
+    ],
+)  # fmt: skip
+def test_bad_placement_settings_are_refused(tmp_path, capsys, monkeypatch, overrides, expected):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert expected in _refused(tmp_path, capsys, overrides)
+
+
+def test_the_staleness_bound_follows_the_placement() -> None:
+    assert RolloutConfig().staleness_bound == 0
+    assert RolloutConfig(placement="separate").staleness_bound == 1
+    assert RolloutConfig(placement="separate", max_staleness=0).staleness_bound == 0
+    assert RolloutConfig(placement="separate", max_staleness=3).staleness_bound == 3
