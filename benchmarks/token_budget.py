@@ -70,7 +70,7 @@ def lengths(
 
 def rollout_batch(args: argparse.Namespace, vocab: int):
     """The global batch: right-padded to its longest sequence, group-major."""
-    from reco_megatron.megatron.step.batch import RolloutBatch
+    from reco_megatron.parallel.batch import RolloutBatch
 
     g, n = args.group_size, args.groups
     prompts, responses = lengths(n, g, args)
@@ -99,10 +99,10 @@ def _body(rank: int, world_size: int, mode: str, args: argparse.Namespace) -> di
     from reco_megatron.megatron.distributed import ParallelConfig, initialize_parallel
     from reco_megatron.megatron.model.config import ModelConfig
     from reco_megatron.megatron.model.optimizer import OptimConfig
-    from reco_megatron.megatron.step.batch import data_parallel_share
     from reco_megatron.megatron.step.config import UpdateConfig
     from reco_megatron.megatron.step.engine import ReCoEngine
     from reco_megatron.megatron.step.microbatching import needed_lengths, round_up, take_rows
+    from reco_megatron.parallel.batch import data_parallel_share
 
     parallel = ParallelConfig(micro_batch_size=args.micro_batch_size)
     initialize_parallel(parallel, seed=0)

@@ -37,7 +37,7 @@ GROUPS, GROUP_SIZE, LENGTH, MICRO = 4, 4, 257, 4
 
 
 def _batch(vocab: int):
-    from reco_megatron.megatron.step.batch import RolloutBatch
+    from reco_megatron.parallel.batch import RolloutBatch
 
     gen = torch.Generator().manual_seed(0)
     b = GROUPS * GROUP_SIZE

@@ -80,8 +80,9 @@ def check_layout(
     needs NVLink); the world size not divisible by TP x PP x CP; EP x expert-TP not dividing
     the ranks of a pipeline stage; the model's heads, layers or experts not divisible by TP /
     PP / EP; a batch split that does not fit the data-parallel size (prompts over
-    mini-batches x DP, micro-batches, the token budget: ``preflight.batch_problems``).
-    Raises :class:`ConfigError` for an invalid config.
+    mini-batches x DP, micro-batches, a virtual pipeline's share of the token budget:
+    ``preflight.batch_problems``). Raises :class:`ConfigError` for an invalid config (the
+    token budget against the longest sequence included: a check of the config alone).
     """
     from reco_megatron.config import load_config
     from reco_megatron.trainer.config import TrainConfig
@@ -116,7 +117,7 @@ def check_layout(
     par.validate_for_model(cfg.model, cfg.model.num_layers, on_gpu=on_gpu)
     from reco_megatron.trainer.preflight import batch_problems
 
-    problems = batch_problems(cfg, dp)  # batch splits and the token budget at this DP
+    problems = batch_problems(cfg, dp)  # the batch splits at this DP
     if problems:
         raise ValueError("; ".join(problems))
     return Layout(tp=tp, pp=pp, cp=cp, dp=dp, world=world, ep=par.expert_model_parallel_size)

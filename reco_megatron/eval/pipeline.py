@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -195,7 +196,9 @@ def run_evaluation(settings: EvalSettings) -> dict[str, Any]:
         raise
 
 
-def _evaluate(settings: EvalSettings, out: Path, answer_key: Any) -> dict[str, Any]:
+def _evaluate(
+    settings: EvalSettings, out: Path, answer_key: Callable[[str, str], object] | None
+) -> dict[str, Any]:
     hf_dirs = [(label, as_hf_dir(path, out / "exported")) for label, path in settings.checkpoints]
     tok_spec = settings.tokenizer or str(hf_dirs[0][1])
     tokenizer = load_tokenizer(tok_spec)

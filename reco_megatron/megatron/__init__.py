@@ -6,7 +6,9 @@ config and build, MoE, norm, routing replay, optimizer), ``decoding/`` (KV-cache
 the trainer's own model), ``memory/`` (the per-GPU estimate and the meta-device census),
 ``checkpoint/`` (training checkpoints), ``hf/`` (Hugging Face weights) and ``compat/``
 (megatron-core versions and the CPU backend); beside them ``distributed`` (the rank layout)
-and ``device`` (where tensors live).
+and ``device`` (where tensors live). What needs no megatron-core lives below, in
+:mod:`reco_megatron.parallel`: the batch format (``RolloutBatch`` and its data-parallel split)
+and the small collectives (``collective_device``, ``from_rank0``).
 
 Code outside this package imports only the names below, from here (``from
 reco_megatron.megatron import ReCoEngine``); ``tests/test_layering.py`` enforces it, so files
@@ -25,7 +27,6 @@ _EXPORTS: dict[str, str] = {
     "ParallelConfig": "distributed",
     "initialize_parallel": "distributed",
     "rank_layout": "distributed",
-    "collective_device": "device",
     "compute_device": "device",
     # the model
     "ModelConfig": "model.config",
@@ -35,12 +36,8 @@ _EXPORTS: dict[str, str] = {
     # the update step
     "UpdateConfig": "step.config",
     "ReCoEngine": "step.engine",
-    "RolloutBatch": "step.batch",
-    "data_parallel_groups": "step.batch",
-    "data_parallel_share": "step.batch",
     "length_multiple": "step.microbatching",
     "round_up": "step.microbatching",
-    "step_batching_metrics": "step.microbatching",
     # decoding with the trainer's model
     "MegatronDecoder": "decoding.decoder",
     # memory
@@ -65,7 +62,6 @@ _EXPORTS: dict[str, str] = {
     "save_checkpoint": "checkpoint",
     "sft_checkpoint_name": "checkpoint",
     "verify_checkpoint": "checkpoint",
-    "from_rank0": "checkpoint.collective",
     "load_model_and_optimizer": "checkpoint.megatron_state",
     "shutdown_async_writer": "checkpoint.megatron_state",
     # Hugging Face weights

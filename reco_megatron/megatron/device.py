@@ -11,8 +11,9 @@ the code:
   (:func:`check_on_device`), and returns CPU tensors and Python floats.
 * **Collectives.** A tensor passed to ``torch.distributed`` must live where the process group's
   backend wants it: on the current CUDA device for NCCL, on the CPU for gloo.
-  :func:`collective_device` answers from the group's backend, not from whether CUDA exists (a
-  gloo group on a GPU machine takes CPU tensors).
+  :func:`reco_megatron.parallel.collectives.collective_device` answers from the group's
+  backend, not from whether CUDA exists (a gloo group on a GPU machine takes CPU tensors); it
+  lives below the adapter, since it needs no megatron-core.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 
 def compute_device() -> torch.device:
@@ -56,13 +56,6 @@ def resolve_device(device: torch.device | str | None) -> torch.device:
             "torch.cuda.set_device first (torchrun ranks: LOCAL_RANK), or leave the device unset"
         )
     return torch.device("cuda", current)
-
-
-def collective_device(group: Any = None) -> torch.device:
-    """Where a tensor for a collective over ``group`` (default: the world) must live."""
-    if dist.is_initialized() and dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def same_device(a: torch.device, b: torch.device) -> bool:

@@ -18,6 +18,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from reco_megatron.parallel.layout import RankLayout
 from reco_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -236,36 +237,6 @@ def initialize_parallel(cfg: ParallelConfig, seed: int) -> str:
         backend,
     )
     return backend
-
-
-@dataclass(frozen=True)
-class RankLayout:
-    """Where this process sits in the parallel layout (a snapshot of megatron's state), for
-    code above the adapter that must not import megatron-core itself."""
-
-    rank: int
-    """Global rank."""
-    tp_rank: int
-    """Rank in the tensor-parallel group."""
-    pp_rank: int
-    """Pipeline stage."""
-    pp_size: int
-    """Pipeline stages."""
-    dp_rank: int
-    """Rank in the data-parallel group."""
-    dp_size: int
-    """Data-parallel replicas."""
-    dp_group: object
-    """The data-parallel process group."""
-    mp_group: object
-    """The model-parallel (TP x PP) process group of this replica."""
-    pp_group: object
-    """The pipeline process group."""
-
-    @property
-    def first_of_replica(self) -> bool:
-        """TP rank 0 of pipeline stage 0: the rank that does per-replica work once."""
-        return self.tp_rank == 0 and self.pp_rank == 0
 
 
 def rank_layout() -> RankLayout:

@@ -33,7 +33,7 @@ import inspect
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -52,6 +52,9 @@ from reco_megatron.rollout.sampling import (
     sample_next,
 )
 from reco_megatron.utils.logging import get_logger
+
+if TYPE_CHECKING:  # transformers loads on first use
+    from transformers import PretrainedConfig
 
 logger = get_logger(__name__)
 
@@ -106,7 +109,9 @@ class EmbeddedEngineConfig:
             self.eos_token_ids = tuple(self.eos_token_ids)
 
 
-def _build_model(hf_config: Any, cfg: EmbeddedEngineConfig) -> torch.nn.Module:
+def _build_model(
+    hf_config: Mapping[str, object] | PretrainedConfig, cfg: EmbeddedEngineConfig
+) -> torch.nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
     if isinstance(hf_config, PretrainedConfig):
@@ -136,7 +141,11 @@ class EmbeddedEngine(SeededCalls, RolloutEngine):
     :meth:`generate` (the random init is never sampled from).
     """
 
-    def __init__(self, hf_config: Any, config: EmbeddedEngineConfig | None = None) -> None:
+    def __init__(
+        self,
+        hf_config: Mapping[str, object] | PretrainedConfig,
+        config: EmbeddedEngineConfig | None = None,
+    ) -> None:
         self.config = config or EmbeddedEngineConfig()
         self.model = _build_model(hf_config, self.config)
         hf = self.model.config

@@ -13,17 +13,17 @@ kernels, right padding with true positions, see ``docs/rollout.md``).
 
 Weights: the decoder reads the trainer's live parameters, so there is nothing to load.
 :meth:`MegatronEngine.update_weights` takes an *empty* stream (what
-:func:`reco_megatron.trainer.weight_sync.sync_weights` sends it) and refuses tensors: pushing
+:func:`reco_megatron.trainer.rollout_engines.sync_weights` sends it) and refuses tensors: pushing
 converted weights into the training model would silently overwrite the policy.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -38,6 +38,10 @@ from reco_megatron.rollout.sampling import (
 from reco_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)
+
+SampleFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+"""``sample(logits [b, V], uniforms [b]) -> (tokens [b], log-probs [b])``: one decoding step's
+draw (:func:`~reco_megatron.rollout.sampling.sample_next` with a row's settings bound)."""
 
 
 class DecodedRow(Protocol):
@@ -61,7 +65,7 @@ class ModelDecoder(Protocol):
         prompts: Sequence[Sequence[int]],
         noise: torch.Tensor,
         stop_ids: Sequence[int],
-        sample: Any,
+        sample: SampleFn,
     ) -> Sequence[DecodedRow]:
         """Rows ``[b]`` decoded with ``noise [b, max_new_tokens]`` and ``sample``."""
         ...

@@ -147,7 +147,7 @@ def kept_default_process_group() -> Iterator[None]:
 
     original = dist.destroy_process_group
 
-    def destroy_unless_default(group: Any = None) -> None:
+    def destroy_unless_default(group: dist.ProcessGroup | None = None) -> None:
         if group is None or group is dist.GroupMember.WORLD:
             logger.debug("kept the default process group vLLM's shutdown would destroy")
             return

@@ -4,213 +4,53 @@
 :class:`TrainConfig` with :func:`reco_megatron.config.load_config` (unknown keys are errors
 with a suggestion; every value is type-checked). Scaling a run from 8B to 70B changes the
 ``model`` and ``parallel`` sections only.
+
+Where each check lives: a value alone is checked by its own section's ``__post_init__`` (the
+trainer's sections are in :mod:`.sections`, ``rollout`` in :mod:`.rollout_config`); every check
+that relates two sections is here, in :meth:`TrainConfig.__post_init__`, together with the
+sanity ranges of :mod:`.value_ranges` (whose allow-list is ``trainer.allow_out_of_range``).
+What needs the job or the files (the world size, the tokenizer, the prompt files, an initial
+checkpoint) is :func:`reco_megatron.trainer.preflight.preflight`'s.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import ClassVar, Literal
+from typing import Literal
 
 from reco_megatron.algo import LossConfig
-from reco_megatron.data.countdown import CountdownStyle
 from reco_megatron.data.dataset import DatasetConfig
 from reco_megatron.eval.during_training import EvalConfig
-from reco_megatron.megatron import ModelConfig, OptimConfig, ParallelConfig, UpdateConfig
+from reco_megatron.megatron import (
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    UpdateConfig,
+    length_multiple,
+    round_up,
+)
 from reco_megatron.rewards.pool import RewardPoolConfig
-from reco_megatron.trainer import loggers
 from reco_megatron.trainer.guards import StabilityConfig
-from reco_megatron.trainer.loggers import LoggerName
 from reco_megatron.trainer.rollout_config import RolloutConfig
+from reco_megatron.trainer.sections import (
+    CheckpointConfig,
+    CountdownConfig,
+    DataConfig,
+    PromptFilesConfig,
+    SFTConfig,
+    TrainerConfig,
+)
 from reco_megatron.trainer.value_ranges import check_ranges
 
-
-def _check_ints(obj: object, hints: dict[str, str] | None = None, **minimum: int) -> None:
-    """Raise naming the field when it is not an int >= its minimum (the loader puts the
-    section in front: ``trainer: max_steps must be ...``); ``hints`` adds a word per field."""
-    for name, low in minimum.items():
-        value = getattr(obj, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            what = "a positive integer" if low == 1 else f"an integer >= {low}"
-            hint = (hints or {}).get(name)
-            raise ValueError(
-                f"{name} must be {what}, got {value!r}" + (f" ({hint})" if hint else "")
-            )
-
-
-@dataclass(kw_only=True)
-class CountdownConfig:
-    """The synthetic countdown task generated when ``data.train_path`` is empty."""
-
-    n_train: int = 2000
-    """Training problems."""
-    n_eval: int = 64
-    """Held-out problems (disjoint from training)."""
-    n_numbers: int = 4
-    """Numbers given per problem."""
-    max_number: int = 12
-    """Numbers are drawn from 2..max_number."""
-    target_min: int = 10
-    """Smallest target."""
-    target_max: int = 100
-    """Largest target."""
-    min_solutions: int = 3
-    """Only targets reachable in at least this many distinct ways (coverage needs several)."""
-    style: CountdownStyle = "answer"
-    """``answer``: the response is ``Answer: <expression>`` (10-25 tokens); ``worked``: each
-    step ``a op b = c`` with the numbers that remain, then the answer (50-100 tokens; grade it
-    with ``reward.reward=countdown_worked`` and give it ``rollout.max_new_tokens=96``, prompts
-    of up to 105 tokens and ``model.max_position_embeddings`` to match)."""
-
-    def generate_kwargs(self) -> dict[str, object]:
-        """Keyword arguments of :func:`reco_megatron.data.countdown.generate`."""
-        return {
-            "n_numbers": self.n_numbers,
-            "max_number": self.max_number,
-            "target_range": (self.target_min, self.target_max),
-            "min_solutions": self.min_solutions,
-            "style": self.style,
-        }
-
-
-@dataclass(kw_only=True)
-class PromptFilesConfig(DatasetConfig):
-    """:class:`DatasetConfig` as the trainer's ``data.dataset``: everything but the longest
-    prompt kept, which is ``rollout.max_prompt_len`` (one key for the rollouts, the prompt
-    files and the held-out set)."""
-
-    REPLACED_KEYS: ClassVar[dict[str, str]] = {
-        "max_prompt_len": "rollout.max_prompt_len is the longest prompt kept (rollouts, prompt "
-        "files, held-out set): set it there and delete data.dataset.max_prompt_len",
-    }
-    max_prompt_len: int | None = field(default=None, init=False)
-
-
-@dataclass(kw_only=True)
-class DataConfig:
-    """Prompt files and the tokenizer."""
-
-    train_path: str = ""
-    """jsonl or parquet of training prompts; empty = generate the countdown task in output_dir."""
-    eval_path: str = ""
-    """Held-out prompts for coverage evaluation (optional)."""
-    tokenizer: str = "examples/tiny/countdown_sp.model"
-    """A SentencePiece ``.model`` file or a Hugging Face tokenizer directory."""
-    template: str = "{prompt}\n"
-    """Prompt template when the tokenizer has no chat template."""
-    dataset: PromptFilesConfig = field(default_factory=lambda: PromptFilesConfig())
-    """Field names and bad-row policy of the prompt files. The longest prompt kept is
-    ``rollout.max_prompt_len`` (:meth:`TrainConfig.prompt_dataset`)."""
-    countdown: CountdownConfig = field(default_factory=CountdownConfig)
-    """The synthetic task used when ``train_path`` is empty (and by the SFT warm-up)."""
-
-
-@dataclass(kw_only=True)
-class SFTConfig:
-    """Supervised warm-up on the countdown solutions (tiny default only)."""
-
-    steps: int = 0
-    """Optimizer steps of SFT before RL (0 disables)."""
-    batch_size: int = 32
-    """Sequences per SFT step."""
-    lr: float = 3e-3
-    """SFT learning rate (constant)."""
-    solutions_per_problem: int = 3
-    """Distinct solutions taught per problem (so RL starts from several ways to solve)."""
-
-    def __post_init__(self) -> None:
-        _check_ints(
-            self,
-            {"steps": "0 disables the warm-up"},
-            steps=0,
-            batch_size=1,
-            solutions_per_problem=1,
-        )
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
-
-
-@dataclass(kw_only=True)
-class TrainerConfig:
-    """The loop."""
-
-    REPLACED_KEYS: ClassVar[dict[str, str]] = {
-        "tensorboard": "trainer.loggers chooses the trackers: leave 'tensorboard' out of it "
-        "(trainer.loggers=[] for none) and delete trainer.tensorboard",
-    }
-
-    max_steps: int = 10
-    """Rollout steps (each: generate, score, old-policy pass, mini-batch updates, sync)."""
-    seed: int = 1234
-    """Seed of everything (weights, data order, sampling)."""
-    output_dir: str = "runs/reco"
-    """Metrics, resolved config, checkpoints and plots go here."""
-    loggers: list[LoggerName] = field(default_factory=lambda: ["tensorboard"])
-    """Experiment trackers next to metrics.jsonl, any of ``tensorboard``, ``wandb``, ``mlflow``
-    (rank 0; offline unless a server is configured: trainer/loggers.py). W&B or MLflow listed
-    but not installed is an error before the run starts (TensorBoard: a note); ``[]``: none."""
-    project: str = "reco-megatron"
-    """The W&B project / MLflow experiment the run is logged under (its name: the output
-    directory's)."""
-    log_interval: int = 1
-    """Steps between log lines (metrics.jsonl gets every step)."""
-    progress: bool = True
-    """A progress bar on rank 0 (tqdm or rich when installed)."""
-    allow_config_change: bool = False
-    """Resume even when the config changes what is being trained (model, data by content,
-    seed, objective, reward, ...); each change is logged and kept in config_history.jsonl.
-    Changes of the schedule, intervals, guards, logging and workers never need it."""
-    allow_out_of_range: list[str] = field(default_factory=list)
-    """Keys whose sanity range (lr, workers, ...; docs/stability.md) is not checked, e.g.
-    ``[optimizer.lr]`` when a learning rate above 1e-2 is really meant."""
-
-    def __post_init__(self) -> None:
-        _check_ints(self, {"max_steps": "0 runs the SFT warm-up only"}, max_steps=0, log_interval=1)
-        absent = loggers.missing([n for n in self.loggers if n != "tensorboard"])
-        if absent:
-            raise ValueError(
-                f"loggers={self.loggers} but not installed: {'; '.join(absent)}; or remove it "
-                "from trainer.loggers"
-            )
-
-
-@dataclass(kw_only=True)
-class CheckpointConfig:
-    """Saving and initialisation."""
-
-    save_interval: int = 0
-    """Steps between checkpoints (0: only at the end)."""
-    keep_last: int = 3
-    """Complete checkpoints kept; older ones are removed after a new one is written (0 keeps
-    every checkpoint). ``step_00000000``, written at the end of the SFT warm-up, is never
-    removed: it is the base the run is compared with."""
-    init_hf: str = ""
-    """Start from this local Hugging Face checkpoint directory (config.json + safetensors)."""
-    init_megatron: str = ""
-    """Start from the weights of this reco-megatron checkpoint (any TP/PP)."""
-    hf_converter: Literal["auto", "builtin", "megatron_bridge"] = "auto"
-    """Who maps HF <-> Megatron weights for ``init_hf`` and the rollout weight stream:
-    ``builtin`` (ours, everywhere), ``megatron_bridge`` (NVIDIA Megatron-Bridge; error if it
-    cannot be used), ``auto`` (the bridge where it imports and gives exactly our tensors, else
-    ours; docs/weights.md)."""
-    resume: bool = True
-    """Resume from ``<output_dir>/checkpoints/latest`` when it exists."""
-    on_damaged: Literal["stop", "fallback"] = "stop"
-    """When a file of the checkpoint to resume from fails its checksum: ``stop`` (refuse, name
-    the file and the previous complete checkpoint) or ``fallback`` (move the damaged one aside
-    to ``damaged-step_*``, point ``latest`` at the previous complete checkpoint, resume from
-    it; docs/stability.md)."""
-    group_writable: bool = False
-    """Write checkpoints group-writable (as the umask allows) instead of writable by their
-    owner only. A checkpoint is read by code that trusts it: leave it off on shared project
-    folders unless every member of the group is trusted with the runs."""
-
-    def __post_init__(self) -> None:
-        _check_ints(
-            self,
-            {"save_interval": "0 saves at the end only", "keep_last": "0 keeps every one"},
-            save_interval=0,
-            keep_last=0,
-        )
+__all__ = [
+    "CheckpointConfig",
+    "CountdownConfig",
+    "DataConfig",
+    "PromptFilesConfig",
+    "SFTConfig",
+    "TrainConfig",
+    "TrainerConfig",
+]
 
 
 @dataclass(kw_only=True)
@@ -245,6 +85,9 @@ class TrainConfig:
     """Periodic pass@k / diversity on held-out prompts (``eval.interval=0`` disables)."""
 
     def __post_init__(self) -> None:
+        """Every check that relates two sections, in one place (the module docstring says
+        where the others live). Raises ``ValueError`` at the first group that fails; the
+        token-budget checks report all their problems together."""
         check_ranges(self, self.trainer.allow_out_of_range)
         total = self.rollout.prompts_per_step
         n = self.update.minibatches_per_rollout
@@ -265,6 +108,8 @@ class TrainConfig:
         self._check_routing_replay()
         if self.rollout.placement == "separate":
             self._check_separate_rollout()
+        self._check_token_budget()
+        self._check_held_out_set()
 
     @property
     def response_weight_policy(self) -> Literal["proximal", "behaviour"]:
@@ -357,4 +202,49 @@ class TrainConfig:
                 "megatron engine is collective over the model-parallel (and expert-parallel) "
                 "group; set eval.interval=0 (and run reco-eval on a checkpoint) or use "
                 "rollout.engine=embedded"
+            )
+
+    def _check_token_budget(self) -> None:
+        """A token budget must hold the longest prompt + response (rounded up to the length
+        multiple the layout needs), and sequence packing works with neither context
+        parallelism nor a mixture-of-experts model."""
+        u, par, r = self.update, self.parallel, self.rollout
+        problems = []
+        budget = u.max_tokens_per_microbatch
+        if budget is not None:
+            multiple = length_multiple(
+                u.microbatch_length_multiple,
+                par.tensor_model_parallel_size,
+                par.sequence_parallel,
+                par.context_parallel_size,
+            )
+            longest = round_up(r.max_prompt_len + r.max_new_tokens - 1, multiple)
+            if budget < longest:
+                problems.append(
+                    f"update.max_tokens_per_microbatch={budget} is below the longest sequence: "
+                    f"rollout.max_prompt_len + max_new_tokens - 1 = "
+                    f"{r.max_prompt_len + r.max_new_tokens - 1}, rounded up to a multiple of "
+                    f"{multiple} = {longest}: set it to at least {longest}"
+                )
+        if u.sequence_packing and par.context_parallel_size > 1:
+            problems.append(
+                "update.sequence_packing=true with context_parallel_size > 1 is not supported: "
+                "set update.sequence_packing=false"
+            )
+        if u.sequence_packing and self.model.moe is not None:
+            problems.append(
+                "update.sequence_packing=true with a mixture-of-experts model (model.moe) is not "
+                "supported: its routing replay and auxiliary-loss bookkeeping run per padded "
+                "row; set update.sequence_packing=false (token-budget micro-batches still apply)"
+            )
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    def _check_held_out_set(self) -> None:
+        """Periodic evaluation needs a held-out set: ``data.eval_path``, or the countdown
+        task's own split (generated when ``data.train_path`` is empty)."""
+        if self.eval.interval and self.data.train_path and not self.data.eval_path:
+            raise ValueError(
+                f"eval.interval={self.eval.interval} needs a held-out set: set data.eval_path "
+                "(or eval.interval=0)"
             )

@@ -28,6 +28,7 @@ from typing import Any
 
 from reco_megatron.config import ConfigError
 from reco_megatron.config.dump import config_to_dict
+from reco_megatron.trainer.config import TrainConfig
 from reco_megatron.utils.logging import get_logger
 
 __all__ = [
@@ -164,7 +165,7 @@ def diff_configs(
 
 
 def check_resume(
-    cfg: Any,
+    cfg: TrainConfig,
     saved_state: dict[str, Any],
     inputs: dict[str, str],
     checkpoint: str,
@@ -230,7 +231,7 @@ def file_digest(path: Path) -> str:
     return f"sha256:{h.hexdigest()}"
 
 
-def input_hashes(cfg: Any, out: Path) -> dict[str, str]:
+def input_hashes(cfg: TrainConfig, out: Path) -> dict[str, str]:
     """Content hashes of what the run trains on: the prompt file (``data.train_path``, or
     the countdown file generated under ``<output_dir>/data``) and the tokenizer."""
     hashes: dict[str, str] = {}
@@ -280,7 +281,7 @@ class ResumeCheck:
     the verdict): before anything is built, against the checkpoint ``latest`` names; again
     after the load when a fallback loaded another one; then :meth:`record` (rank 0)."""
 
-    def __init__(self, cfg: Any, plain: dict[str, Any], out: Path, rank: int) -> None:
+    def __init__(self, cfg: TrainConfig, plain: dict[str, Any], out: Path, rank: int) -> None:
         self.cfg, self.plain, self.out, self.rank = cfg, plain, out, rank
         self.inputs: dict[str, str] = input_hashes(cfg, out) if rank == 0 else {}
         self.checked: str | None = None
@@ -291,18 +292,14 @@ class ResumeCheck:
     def _latest_state(self) -> tuple[str | None, dict[str, Any] | None]:
         """Name and trainer state of the checkpoint ``latest`` names (rank 0; plain JSON),
         or ``(None, None)`` when there is none or it cannot be read (the resume says why)."""
-        from reco_megatron.megatron import CheckpointError, latest_checkpoint, read_meta
+        from reco_megatron.trainer.setup import latest_trainer_state
 
         if self.rank != 0:
             return None, None
-        try:
-            path = latest_checkpoint(self.out / "checkpoints")
-            return (path.name, read_meta(path).get("trainer_state") or {}) if path else (None, None)
-        except CheckpointError:
-            return None, None
+        return latest_trainer_state(self.out / "checkpoints")
 
     def _check(self, name: str | None, state: dict[str, Any] | None) -> None:
-        from reco_megatron.megatron import from_rank0
+        from reco_megatron.parallel.collectives import from_rank0
 
         verdict: tuple[str, Any] | None = None
         if self.rank == 0 and name is not None and state is not None:

@@ -26,7 +26,7 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from reco_megatron.utils.logging import get_logger
 
@@ -144,15 +144,27 @@ class MlflowLogger:
         self._mlflow.end_run()
 
 
+class Tracker(Protocol):
+    """What :class:`~reco_megatron.trainer.metrics_writer.MetricsWriter` needs of a logger."""
+
+    def log(self, row: Mapping[str, Any], step: int) -> None:
+        """Send one ``metrics.jsonl`` row (its numbers) at ``step``."""
+        ...
+
+    def close(self) -> None:
+        """Flush and release the tracker."""
+        ...
+
+
 _CLASSES = {"tensorboard": TensorBoardLogger, "wandb": WandbLogger, "mlflow": MlflowLogger}
 
 
 def build_loggers(
     names: Sequence[str], out: Path, *, project: str, config: Mapping[str, Any]
-) -> list[Any]:
+) -> list[Tracker]:
     """One logger per name (duplicates once); a logger whose package went missing since the
     config was checked is skipped with a line, never stops the run."""
-    built = []
+    built: list[Tracker] = []
     for name in dict.fromkeys(names):
         try:
             built.append(_CLASSES[name](out, project=project, name=out.name, config=config))

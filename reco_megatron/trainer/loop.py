@@ -25,24 +25,23 @@ from reco_megatron.data.sampler import PromptSampler
 from reco_megatron.megatron import (
     CheckpointSpaceError,
     ReCoEngine,
-    collective_device,
     initialize_parallel,
     rank_layout,
     save_checkpoint,
     sft_checkpoint_name,
 )
+from reco_megatron.parallel.collectives import collective_device
 from reco_megatron.rewards.pool import RewardPool
 from reco_megatron.trainer import reward_health, setup
 from reco_megatron.trainer.config import TrainConfig
 from reco_megatron.trainer.config_history import CONFIG_HEADER, ResumeCheck
 from reco_megatron.trainer.guards import DeadRunGuard, StabilityGuard, unparsable_count
-from reco_megatron.trainer.initialise import initialise_weights
 from reco_megatron.trainer.metrics_writer import (
     MetricsWriter,
     plot_training_curves,
     truncate_jsonl,
 )
-from reco_megatron.trainer.preflight import preflight
+from reco_megatron.trainer.preflight import Checked, preflight
 from reco_megatron.trainer.progress import announce_startup
 from reco_megatron.trainer.rollout_batch import build_rollout_batch
 from reco_megatron.trainer.rollout_engines import build_rollout_source
@@ -50,6 +49,7 @@ from reco_megatron.trainer.rollout_source import PromptSource, RolloutSource
 from reco_megatron.trainer.rollout_workers import WorkerLost
 from reco_megatron.trainer.run_dir import take_run_directory
 from reco_megatron.trainer.run_lock import RunLock
+from reco_megatron.trainer.setup import initialise_weights
 from reco_megatron.trainer.sft_warmup import run_warmup
 from reco_megatron.trainer.step_metrics import global_row, rollout_counters
 from reco_megatron.trainer.stop_signals import EXIT_RESUMABLE, StopSignals, stop_here
@@ -89,7 +89,7 @@ class Trainer:
             self.close(failed_start=True)
             raise
 
-    def _build(self, checked: Any) -> None:
+    def _build(self, checked: Checked) -> None:
         cfg = self.cfg
         self.out = setup.prepare_output_dir(
             cfg.trainer.output_dir, remove_partials=self.rank == 0, run_id=self.run_id

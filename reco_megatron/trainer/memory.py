@@ -1,17 +1,24 @@
-"""The example configs' memory budgets: the tables of ``docs/rollout.md`` and ``docs/moe.md``.
+"""The example configs' memory budgets, and the estimate checked against megatron-core.
 
-``python -m reco_megatron.trainer.memory`` prints them (the estimate itself is
-:mod:`reco_megatron.megatron.memory.estimate`; this module reads the example configs, which
-the adapter below the trainer may not import).
+``python -m reco_megatron.trainer.memory`` prints the tables of ``docs/rollout.md`` and
+``docs/moe.md``; :func:`compare` sets the estimate's static part beside what megatron-core
+allocates on the meta device (its command line is :mod:`.memory_check`). The estimate itself
+is the adapter's (its ``memory`` folder); this module reads the example configs, which the
+adapter below the trainer may not import.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from reco_megatron.megatron import (
+    GIB,
     H100_80GB_BYTES,
     ColocationBudget,
+    ModelState,
     colocation_budget,
     colocation_table,
+    stage_state,
 )
 
 EXAMPLES = (
@@ -51,6 +58,70 @@ def example_budgets(
             tokens_per_microbatch=cfg.update.max_tokens_per_microbatch,
         )
     return out
+
+
+TOLERANCE = 0.02
+"""Largest relative difference between measured and estimated bytes that passes."""
+
+
+@dataclass(frozen=True)
+class StageCheck:
+    """One rank (TP rank 0, DP rank 0) of one pipeline stage of one layout."""
+
+    layout: str
+    stage: int
+    measured: ModelState
+    estimate: ModelState
+
+    @property
+    def worst(self) -> float:
+        """The largest relative difference over weights, gradients and optimizer state."""
+        return max(
+            abs(getattr(self.estimate, k) - getattr(self.measured, k))
+            / max(getattr(self.measured, k), 1)
+            for k in ("weights", "grads", "optimizer")
+        )
+
+
+def compare(layouts: list[tuple[str, str, int]], overrides: list[str] = ()) -> list[StageCheck]:
+    """``(label, config path, DP size)`` per layout (each with the dotted ``overrides``) ->
+    one :class:`StageCheck` per pipeline stage."""
+    from reco_megatron.config import load_config
+    from reco_megatron.megatron import measure_rank_state
+    from reco_megatron.trainer.config import TrainConfig
+
+    out = []
+    for label, path, dp in layouts:
+        cfg = load_config(TrainConfig, path, list(overrides))
+        for stage in range(cfg.parallel.pipeline_model_parallel_size):
+            got = measure_rank_state(
+                cfg.model, cfg.parallel, cfg.optimizer, data_parallel_size=dp, pipeline_stage=stage
+            )
+            want = stage_state(
+                cfg.model,
+                cfg.parallel,
+                data_parallel_size=dp,
+                stage=stage,
+                distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
+            )
+            measured = ModelState(weights=got.weights, grads=got.grads, optimizer=got.optimizer)
+            out.append(StageCheck(label, stage, measured, want))
+    return out
+
+
+def table(checks: list[StageCheck]) -> str:
+    """Markdown: GiB per rank, measured / estimated, and the largest relative difference."""
+    lines = [
+        "| layout | stage | weights | fp32 grads | optimizer | largest difference |",
+        "|---|---|---|---|---|---|",
+    ]
+    for c in checks:
+        cells = [
+            f"{getattr(c.measured, k) / GIB:.3f} / {getattr(c.estimate, k) / GIB:.3f}"
+            for k in ("weights", "grads", "optimizer")
+        ]
+        lines.append(f"| {c.layout} | {c.stage} | {' | '.join(cells)} | {c.worst:.2e} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":  # tables of docs/rollout.md and docs/moe.md: python -m ...memory

@@ -1,14 +1,18 @@
-"""Every check of a run's configuration that needs no compute, before anything is created.
+"""The checks of a run's configuration that need the job or its files, before any compute.
 
 :func:`preflight` runs at the top of :class:`~reco_megatron.trainer.loop.Trainer`, before the
-output directory, the process group or the model exist. It checks what each section's
-``__post_init__`` cannot see alone: the layout against the world size (``WORLD_SIZE`` from
-torchrun), heads and layers against TP / PP, every batch split (prompts over mini-batches and
-data-parallel ranks, sequences over micro-batches, the SFT batch), the tokenizer, the prompt
-files (read and validated row by row, so a bad row is reported with its file and line), the
-held-out set, the reward spec and the initial checkpoint. All problems found are raised
-together as one :class:`~reco_megatron.config.ConfigError`, which ``reco-train`` turns into
-exit status 2 and its message, with no output directory left behind.
+output directory, the process group or the model exist. The config alone was checked when it
+was loaded (each section's ``__post_init__``, and every check relating two sections in
+:class:`~reco_megatron.trainer.config.TrainConfig`); what stays here needs more than the
+config: the layout against the world size (``WORLD_SIZE`` from torchrun) and against the model
+on this machine (heads and layers over TP / PP; CUDA or not), every batch split that depends
+on the data-parallel size (prompts over mini-batches and ranks, sequences over micro-batches,
+a virtual pipeline's share, the SFT batch), the tokenizer (and the vocabulary against it), the
+prompt files (read and validated row by row, so a bad row is reported with its file and line),
+the held-out file, the reward spec (importable) and the initial checkpoint (read from disk).
+All problems found are raised together as one :class:`~reco_megatron.config.ConfigError`,
+which ``reco-train`` turns into exit status 2 and its message, with no output directory left
+behind.
 """
 
 from __future__ import annotations
@@ -17,7 +21,6 @@ import importlib.util
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -86,44 +89,16 @@ def _layout(cfg: TrainConfig, world: int, problems: list[str]) -> int:
     return dp
 
 
-def _token_budget(cfg: TrainConfig, per_mini: int | None, problems: list[str]) -> None:
-    """A token budget must hold the longest prompt + response, and a virtual pipeline needs
-    a multiple of PP micro-batches, at most one per sequence."""
-    from reco_megatron.megatron import length_multiple, round_up
-
-    u, par, r = cfg.update, cfg.parallel, cfg.rollout
-    budget = u.max_tokens_per_microbatch
-    multiple = length_multiple(
-        u.microbatch_length_multiple,
-        par.tensor_model_parallel_size,
-        par.sequence_parallel,
-        par.context_parallel_size,
-    )
-    longest = round_up(r.max_prompt_len + r.max_new_tokens - 1, multiple)
-    if budget < longest:
-        problems.append(
-            f"update.max_tokens_per_microbatch={budget} is below the longest sequence: "
-            f"rollout.max_prompt_len + max_new_tokens - 1 = "
-            f"{r.max_prompt_len + r.max_new_tokens - 1}, rounded up to a multiple of {multiple} "
-            f"= {longest}: set it to at least {longest}"
-        )
-    pp = par.pipeline_model_parallel_size
-    if par.virtual_pipeline_model_parallel_size and per_mini is not None and per_mini < pp:
+def _pipeline_share(cfg: TrainConfig, per_mini: int | None, problems: list[str]) -> None:
+    """A virtual pipeline with a token budget needs a multiple of PP micro-batches, at most one
+    per sequence: enough sequences per rank and mini-batch (that share depends on the data-
+    parallel size). The budget against the longest sequence is :class:`TrainConfig`'s check."""
+    pp = cfg.parallel.pipeline_model_parallel_size
+    if cfg.parallel.virtual_pipeline_model_parallel_size and per_mini is not None and per_mini < pp:
         problems.append(
             f"with a virtual pipeline every mini-batch needs a multiple of PP = {pp} "
             f"micro-batches, but a rank holds only {per_mini} sequences per mini-batch: raise "
             "rollout.prompts_per_step or lower update.minibatches_per_rollout"
-        )
-    if u.sequence_packing and par.context_parallel_size > 1:
-        problems.append(
-            "update.sequence_packing=true with context_parallel_size > 1 is not supported: "
-            "set update.sequence_packing=false"
-        )
-    if u.sequence_packing and cfg.model.moe is not None:
-        problems.append(
-            "update.sequence_packing=true with a mixture-of-experts model (model.moe) is not "
-            "supported: its routing replay and auxiliary-loss bookkeeping run per padded row; "
-            "set update.sequence_packing=false (token-budget micro-batches still apply)"
         )
 
 
@@ -145,7 +120,7 @@ def _batches(cfg: TrainConfig, dp: int, problems: list[str]) -> None:
                 f"{r.prompts_per_step} / ({m} x {dp}) x {r.group_size} = {per_mini}"
             )
     if budget:
-        _token_budget(cfg, per_mini, problems)
+        _pipeline_share(cfg, per_mini, problems)
     if cfg.sft.steps > 0:
         b = cfg.sft.batch_size
         step = dp if budget else dp * mbs  # a token budget forms its own micro-batches
@@ -158,8 +133,8 @@ def _batches(cfg: TrainConfig, dp: int, problems: list[str]) -> None:
 
 def batch_problems(cfg: TrainConfig, data_parallel_size: int) -> list[str]:
     """The problems of ``cfg``'s batch splits (prompts over mini-batches and data-parallel
-    ranks, sequences over micro-batches or the token budget, the SFT batch) at
-    ``data_parallel_size``: what the launch check adds to the layout checks."""
+    ranks, sequences over micro-batches, a virtual pipeline's share of a token budget, the
+    SFT batch) at ``data_parallel_size``: what the launch check adds to the layout checks."""
     problems: list[str] = []
     _batches(cfg, data_parallel_size, problems)
     return problems
@@ -176,7 +151,9 @@ def _path_problem(key: str, value: str, *, directory: bool = False) -> str | Non
     return None
 
 
-def _data(cfg: TrainConfig, tokenizer: Tokenizer | None, problems: list[str]) -> Any:
+def _data(
+    cfg: TrainConfig, tokenizer: Tokenizer | None, problems: list[str]
+) -> PromptDataset | None:
     d = cfg.data
     if tokenizer is not None and tokenizer.vocab_size > cfg.model.vocab_size:
         problems.append(
@@ -185,11 +162,6 @@ def _data(cfg: TrainConfig, tokenizer: Tokenizer | None, problems: list[str]) ->
         )
     if d.eval_path and (bad := _path_problem("data.eval_path", d.eval_path)):
         problems.append(bad)
-    if cfg.eval.interval and d.train_path and not d.eval_path:
-        problems.append(
-            f"eval.interval={cfg.eval.interval} needs a held-out set: set data.eval_path "
-            "(or eval.interval=0)"
-        )
     if not d.train_path:
         return None
     if bad := _path_problem("data.train_path", d.train_path):
@@ -228,7 +200,7 @@ def _reward(spec: str, problems: list[str]) -> None:
 
 
 def _checkpoint(cfg: TrainConfig, problems: list[str]) -> None:
-    from reco_megatron.megatron import CheckpointError, latest_checkpoint, read_meta
+    from reco_megatron.trainer.setup import saved_model_layout
 
     c = cfg.checkpoint
     if c.init_hf:
@@ -241,13 +213,9 @@ def _checkpoint(cfg: TrainConfig, problems: list[str]) -> None:
         if bad := _path_problem("checkpoint.init_megatron", c.init_megatron, directory=True):
             problems.append(bad)
             return
-        path = Path(c.init_megatron)
-        try:
-            if (path / "latest").exists():
-                path = latest_checkpoint(path) or path
-            saved = read_meta(path)["layout"]["model"]
-        except (CheckpointError, KeyError, TypeError) as exc:
-            problems.append(f"checkpoint.init_megatron={c.init_megatron!r}: {exc}")
+        saved, why = saved_model_layout(Path(c.init_megatron))
+        if saved is None:
+            problems.append(f"checkpoint.init_megatron={c.init_megatron!r}: {why}")
             return
         diffs = [
             f"{k} {saved.get(k)!r} vs {getattr(cfg.model, k)!r}"

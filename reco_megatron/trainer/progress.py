@@ -15,9 +15,12 @@ import shutil
 import sys
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, TextIO
 
 from reco_megatron.utils.logging import get_logger
+
+if TYPE_CHECKING:  # the config imports torch; this module stays light
+    from reco_megatron.trainer.config import TrainConfig
 
 logger = get_logger(__name__)
 
@@ -28,7 +31,7 @@ BAR_VALUES = 3
 """Values shown on a bar (the first of ``shown``); a line shows them all."""
 
 
-def can_draw_bar(stream: Any = None) -> bool:
+def can_draw_bar(stream: TextIO | None = None) -> bool:
     """Whether ``stream`` (stderr) is a terminal wide enough for a bar."""
     stream = stream or sys.stderr
     try:
@@ -144,7 +147,7 @@ def sft_progress(steps: int, rank0: bool, bar: bool, initial: int = 0) -> StepPr
     )
 
 
-def announce_startup(cfg: Any) -> None:
+def announce_startup(cfg: TrainConfig) -> None:
     """One line before the slow start-up work (process groups, model, optimizer, rollout
     engine, reward workers, data), so a person knows the run is alive."""
     sft = f"{cfg.sft.steps} SFT steps, then " if cfg.sft.steps else ""

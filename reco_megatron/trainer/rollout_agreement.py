@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from reco_megatron.megatron import collective_device
+from reco_megatron.parallel.collectives import collective_device
+from reco_megatron.rollout.base import Completion
 from reco_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -26,7 +26,7 @@ logger = get_logger(__name__)
 _warned: dict[str, bool] = {"diverged": False}
 
 
-def completions_fingerprint(completions: list[list[Any]]) -> torch.Tensor:
+def completions_fingerprint(completions: list[list[Completion]]) -> torch.Tensor:
     """``[4]`` int64: the sha256 of every response's token ids and finish reason, in order.
 
     Log-probs are left out: engines may differ in them by float noise, and the trainer
@@ -42,7 +42,9 @@ def completions_fingerprint(completions: list[list[Any]]) -> torch.Tensor:
     return torch.tensor(struct.unpack("<4q", digest.digest()), dtype=torch.int64)
 
 
-def agree_on_completions(completions: list[list[Any]], group: Any) -> tuple[list[list[Any]], bool]:
+def agree_on_completions(
+    completions: list[list[Completion]], group: dist.ProcessGroup | None
+) -> tuple[list[list[Completion]], bool]:
     """The completions every rank of ``group`` trains on, and whether the ranks had differed.
 
     Collective over ``group`` (every rank calls it after its rollout). When all fingerprints

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from reco_megatron.megatron import RolloutBatch
+from reco_megatron.parallel.batch import RolloutBatch
 
 
 def build_rollout_batch(

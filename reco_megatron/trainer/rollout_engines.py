@@ -1,6 +1,7 @@
 """Building the run's rollout engine (``rollout.engine``: ``embedded``, ``vllm`` or
 ``megatron``) and what it needs: the sampling settings, the weight names every push must
-carry, vLLM's model directory and its colocation memory check.
+carry, vLLM's model directory and its colocation memory check; and streaming the policy into
+it (:func:`sync_weights`, through :class:`~reco_megatron.trainer.weight_sync.RolloutClient`).
 
 The engines that hold their own weights come from the one factory training and evaluation
 share (:func:`reco_megatron.rollout.engines.build_engine`); the ``megatron`` engine decodes on
@@ -9,6 +10,9 @@ the trainer's own chunks and is built here, where the adapter may be imported.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +21,18 @@ import torch.distributed as dist
 
 from reco_megatron.data.tokenizer import Tokenizer
 from reco_megatron.megatron import (
+    ModelConfig,
+    PushRole,
     ReCoEngine,
     compute_device,
     hf_config_from_model_config,
     hf_shapes,
+    policy_hf_weights,
+    push_role,
+    push_tensors,
+    stage_hf_weights,
 )
+from reco_megatron.parallel.layout import RankLayout
 from reco_megatron.rollout.base import RolloutEngine, SamplingParams
 from reco_megatron.rollout.engines import build_engine
 from reco_megatron.trainer.config import TrainConfig
@@ -178,7 +189,7 @@ def build_rollout_source(
     policy: ReCoEngine,
     converter: str,
     prompts: PromptSource,
-    layout: Any,
+    layout: RankLayout,
     run_dir: Path,
     run_id: str,
 ) -> RolloutSource:
@@ -186,9 +197,52 @@ def build_rollout_source(
     (``rollout.placement``)."""
     if cfg.rollout.placement == "colocated":
         client = build_rollout_engine(cfg, tokenizer, policy.device, policy=policy)
-        return ColocatedRollout(cfg, client, policy, converter, prompts, layout)
+        sync = partial(sync_weights, policy, client, cfg.model, converter)
+        return ColocatedRollout(cfg, client, sync, prompts, layout)
     from reco_megatron.trainer.separate_rollout import SeparateRollout
 
     spec = engine_spec(cfg, tokenizer, "auto")
     sampling, expected = rollout_sampling(cfg, tokenizer), expected_weights(cfg)
-    return SeparateRollout(cfg, spec, sampling, expected, policy, prompts, layout, run_dir, run_id)
+    weights = PolicyStages(policy, cfg.model)
+    return SeparateRollout(cfg, spec, sampling, expected, weights, prompts, layout, run_dir, run_id)
+
+
+@dataclass(frozen=True)
+class PolicyStages:
+    """The policy's weights stage by stage, for the separate workers
+    (:class:`~reco_megatron.trainer.weight_push.StageWeights` over the adapter's push)."""
+
+    policy: ReCoEngine
+    """The training engine whose chunks are exported."""
+    model: ModelConfig
+    """Its architecture (the HF names and shapes)."""
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.policy.on_gpu
+
+    def role(self) -> PushRole:
+        return push_role()
+
+    def plan(self) -> list[tuple[str, tuple[int, ...], torch.dtype, int]]:
+        return push_tensors(self.policy.unwrapped(), self.model)
+
+    def stage_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return stage_hf_weights(self.policy.unwrapped(), self.model)
+
+
+def sync_weights(
+    engine: ReCoEngine, rollout: RolloutClient, model_cfg: ModelConfig, converter: str = "builtin"
+) -> None:
+    """Stream the current policy into the rollout engine (collective): wake its weights, push
+    them checked per tensor, reset its prefix cache, wake its KV cache
+    (:meth:`RolloutClient.refit`; the engine may be asleep or awake).
+
+    ``converter`` is the resolved ``checkpoint.hf_converter``
+    (:func:`~reco_megatron.trainer.setup.hf_converter`). An engine that generates
+    with the trainer's own weights (``uses_trainer_weights``) gets an empty stream: no export.
+    """
+    if getattr(rollout.engine, "uses_trainer_weights", False):
+        rollout.refit(iter(()))
+        return
+    rollout.refit(policy_hf_weights(engine.unwrapped(), model_cfg, converter))

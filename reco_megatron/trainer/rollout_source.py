@@ -12,17 +12,20 @@ step samples the same responses wherever it runs.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from reco_megatron.data.chat import PromptFormatter
+from reco_megatron.data.dataset import PromptDataset
 from reco_megatron.data.sampler import PromptSampler
 from reco_megatron.data.tokenizer import Tokenizer
-from reco_megatron.megatron import ReCoEngine, data_parallel_groups
+from reco_megatron.parallel.batch import data_parallel_groups
+from reco_megatron.parallel.layout import RankLayout
 from reco_megatron.rollout.base import Completion, RolloutEngine
 from reco_megatron.trainer.config import TrainConfig
 from reco_megatron.trainer.rollout_agreement import agree_on_completions
-from reco_megatron.trainer.weight_sync import RolloutClient, sync_weights
+from reco_megatron.trainer.weight_sync import RolloutClient
 
 
 def prompt_seed(seed: int, step: int, group: int) -> int:
@@ -93,7 +96,7 @@ class PromptSource:
     def __init__(
         self,
         cfg: TrainConfig,
-        dataset: Any,
+        dataset: PromptDataset,
         tokenizer: Tokenizer,
         formatter: PromptFormatter,
         sampler: PromptSampler,
@@ -121,26 +124,27 @@ class PromptSource:
 
 
 class ColocatedRollout:
-    """Generate on this rank, with the current weights, between updates."""
+    """Generate on this rank, with the current weights, between updates.
+
+    ``sync`` streams the policy's current weights into ``client``'s engine (collective;
+    :func:`~reco_megatron.trainer.rollout_engines.sync_weights` bound to the run's engine)."""
 
     def __init__(
         self,
         cfg: TrainConfig,
         client: RolloutClient,
-        policy: ReCoEngine,
-        converter: str,
+        sync: Callable[[], None],
         prompts: PromptSource,
-        layout: Any,
+        layout: RankLayout,
     ) -> None:
         self.cfg = cfg
         self.client = client
-        self.policy = policy
-        self.converter = converter
+        self.sync = sync
         self.prompts = prompts
         self.layout = layout
 
     def start(self, step: int) -> None:
-        sync_weights(self.policy, self.client, self.cfg.model, self.converter)
+        self.sync()
 
     def next_step(self, step: int) -> StepRollout:
         drawn = self.prompts.draw()
@@ -156,7 +160,7 @@ class ColocatedRollout:
 
     def after_update(self, version: int) -> dict[str, float]:
         start = time.perf_counter()
-        sync_weights(self.policy, self.client, self.cfg.model, self.converter)
+        self.sync()
         return {"time_sync": time.perf_counter() - start}
 
     def sampler_state(self) -> dict[str, Any]:

@@ -14,7 +14,7 @@ So a start accepts ``trainer.output_dir`` only when it is
   ``run.json`` is written and one line says so.
 
 Anything else is refused with one line (:func:`foreign_files`). The run id is what the
-debris of this run's interrupted saves carries (``reco_megatron.megatron.checkpoint``):
+debris of this run's interrupted saves carries (each partial save is named with it):
 nothing is removed because of its name alone.
 """
 
@@ -163,7 +163,7 @@ def take_run_directory(out_dir: str | Path, rank: int) -> tuple[RunLock | None, 
     a run directory, not writable). Returns ``(the held lock on rank 0, None elsewhere;
     the run id)``."""
     from reco_megatron.config import ConfigError
-    from reco_megatron.megatron import from_rank0
+    from reco_megatron.parallel.collectives import from_rank0
 
     lock, outcome = None, None
     if rank == 0:

@@ -22,18 +22,19 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from reco_megatron.megatron import ReCoEngine, push_role, push_tensors
+from reco_megatron.parallel.layout import RankLayout
 from reco_megatron.rollout.base import RolloutEngine, SamplingParams
 from reco_megatron.rollout.weight_transport import PushPlan, TensorSpec, dtype_name
 from reco_megatron.trainer.config import TrainConfig
 from reco_megatron.trainer.rollout_source import PromptSource, StepPrompts, StepRollout, prompt_seed
 from reco_megatron.trainer.rollout_workers import WorkerLost, WorkerPool
-from reco_megatron.trainer.weight_push import WeightPusher
+from reco_megatron.trainer.weight_push import StageWeights, WeightPusher
 from reco_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -49,10 +50,10 @@ class SeparateRollout:
         spec: dict[str, Any],
         sampling: SamplingParams,
         expected: dict[str, tuple[int, ...]],
-        policy: ReCoEngine,
+        policy: StageWeights,
         prompts: PromptSource,
-        layout: Any,
-        run_dir: Any,
+        layout: RankLayout,
+        run_dir: Path,
         run_id: str,
     ) -> None:
         r = cfg.rollout
@@ -77,13 +78,13 @@ class SeparateRollout:
         plan = PushPlan(
             tuple(
                 TensorSpec(name, shape, dtype_name(dtype), stage)
-                for name, shape, dtype, stage in push_tensors(policy.unwrapped(), cfg.model)
+                for name, shape, dtype, stage in policy.plan()
             ),
             senders=layout.pp_size,
             bucket_bytes=r.weight_bucket_mb * 2**20,
         )
         self.pusher = WeightPusher(
-            cfg, plan, push_role(), policy, self.pool, spec, expected, run_id
+            cfg, plan, policy.role(), policy, self.pool, spec, expected, run_id
         )
         if self.pool is not None:
             self.pool.wait_ready()

@@ -1,22 +1,45 @@
-"""Start-up pieces of a run: output directory checks, tokenizer, prompt data, SFT batches."""
+"""Start-up pieces of a run, and the trainer's one door to the checkpoint code.
+
+Output directory checks, prompt data, SFT batches, the HF weight converter, and where a run's
+weights and loop state come from (:func:`initialise_weights`): resume from the run directory's
+``checkpoints/latest`` (``checkpoint.resume``; the config diff was checked before, by
+:class:`~reco_megatron.trainer.config_history.ResumeCheck`), else initialise the engine from
+``checkpoint.init_megatron`` (a reco-megatron checkpoint, any TP/PP) or ``checkpoint.init_hf``
+(a Hugging Face checkpoint), else keep the seeded initial weights. The other trainer modules
+read checkpoints through the small functions at the end (:func:`latest_trainer_state`,
+:func:`saved_model_layout`, :func:`clean_aborted_save`), so that only this module of theirs
+imports the checkpoint code.
+"""
 
 from __future__ import annotations
 
 import os
 import random
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from reco_megatron.config import ConfigError
 from reco_megatron.data.chat import PromptFormatter
 from reco_megatron.data.countdown import generate, write_splits
-from reco_megatron.data.dataset import PromptDataset
+from reco_megatron.data.dataset import DatasetConfig, PromptDataset
+from reco_megatron.data.sampler import PromptSampler
 from reco_megatron.data.tokenizer import Tokenizer
-from reco_megatron.megatron import RolloutBatch, remove_partial_checkpoints
-from reco_megatron.trainer.config import TrainConfig
+from reco_megatron.megatron import (
+    CheckpointError,
+    ReCoEngine,
+    latest_checkpoint,
+    load_checkpoint,
+    read_meta,
+    remove_partial_checkpoints,
+    resume_latest,
+)
+from reco_megatron.parallel.batch import RolloutBatch
+from reco_megatron.trainer.config import CountdownConfig, TrainConfig
+from reco_megatron.trainer.weight_sync import RolloutClient
 from reco_megatron.utils.logging import get_logger
 
 if TYPE_CHECKING:
@@ -76,9 +99,11 @@ def prepare_output_dir(path: str | Path, *, remove_partials: bool = True, run_id
     return out
 
 
-def ensure_countdown_data(data_dir: Path, countdown, seed: int) -> tuple[Path, Path]:
+def ensure_countdown_data(
+    data_dir: Path, countdown: CountdownConfig, seed: int
+) -> tuple[Path, Path]:
     """The countdown splits under ``data_dir`` (written once by global rank 0; the caller
-    waits at a barrier). ``countdown``: a :class:`~reco_megatron.trainer.config.CountdownConfig`."""
+    waits at a barrier). ``countdown``: the ``data.countdown`` section."""
     train, held_out = data_dir / "train.jsonl", data_dir / "eval.jsonl"
     if _global_rank() == 0 and not train.exists():
         write_splits(
@@ -97,7 +122,7 @@ def _global_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
 
 
-def load_prompts(path: Path, cfg, tokenizer: Tokenizer) -> PromptDataset:
+def load_prompts(path: Path, cfg: DatasetConfig, tokenizer: Tokenizer) -> PromptDataset:
     """The prompt dataset, validated row by row (errors name file and line)."""
     return PromptDataset(path, cfg, tokenizer=tokenizer)
 
@@ -121,13 +146,13 @@ def sft_batches(
     solutions_per_problem: int,
     seed: int,
     max_len: int,
-    countdown,
+    countdown: CountdownConfig,
 ) -> list[RolloutBatch]:
     """Countdown SFT data: prompt + the response (``"Answer: <expr>"``, or its worked steps
     first with ``data.countdown.style=worked``) + EOS, several solutions a problem.
 
     Every batch is built identically on every rank (seeded), so data-parallel ranks can take
-    their share with :func:`reco_megatron.megatron.step.batch.data_parallel_share`.
+    their share with :func:`reco_megatron.parallel.batch.data_parallel_share`.
     """
     rng = random.Random(seed)
     problems = generate(countdown.n_train, seed=seed, **countdown.generate_kwargs())
@@ -204,3 +229,108 @@ def coverage_evaluator(
         max_prompt_len=cfg.rollout.max_prompt_len,
         answer_key=resolve_answer_key(answer_key_spec(cfg.reward.reward)),
     )
+
+
+# ------------------------------------------------------------------ the weights it starts from
+class LoadedCheck(Protocol):
+    """What :func:`initialise_weights` needs of the resume check
+    (:class:`~reco_megatron.trainer.config_history.ResumeCheck`)."""
+
+    def check_loaded(self, name: str, state: dict[str, Any]) -> None:
+        """Check the config against the trainer state of the checkpoint actually loaded."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Start:
+    """Where the loop starts."""
+
+    step: int
+    """RL steps already done (0 for a fresh run)."""
+    sft_from: int | None
+    """The SFT warm-up step to continue after (0: from the start); None: no warm-up to run."""
+    resumed: str | None
+    """The name of the checkpoint resumed from; None when the run did not resume."""
+
+
+def initialise_weights(
+    cfg: TrainConfig,
+    engine: ReCoEngine,
+    ckpt_root: Path,
+    resume: LoadedCheck,
+    sampler: PromptSampler,
+    rollout: RolloutClient,
+    converter: str,
+) -> Start:
+    """Load the weights the run starts from into ``engine`` and restore the loop state it
+    resumes (``sampler``'s position, ``rollout``'s state); returns where the loop starts.
+
+    ``rollout`` is the rollout client (its ``load_state_dict``), ``converter`` the HF weight
+    converter for ``init_hf`` (:func:`hf_converter`).
+    """
+    ck = cfg.checkpoint
+    resumed = resume_latest(ckpt_root, engine, on_damaged=ck.on_damaged) if ck.resume else None
+    step, sft_from = 0, None
+    if resumed is not None:
+        latest, state = resumed
+        resume.check_loaded(latest.name, state)  # a fallback loaded an older one
+        step = int(state["step"])
+        sampler.load_state_dict(state["sampler"])
+        if state.get("rollout") is not None:
+            rollout.load_state_dict(state["rollout"])
+        if state.get("phase") == "sft":
+            sft_from = int(state["sft_step"])
+        logger.info("resumed from %s at step %d", latest, step)
+    elif ck.init_megatron:
+        load_checkpoint(_resolve(ck.init_megatron), engine, load_optimizer=False, load_rng=False)
+    elif ck.init_hf:
+        from reco_megatron.megatron import load_hf_into_engine
+
+        load_hf_into_engine(ck.init_hf, engine, converter)
+    if resumed is None and cfg.sft.steps > 0:
+        sft_from = 0
+    return Start(
+        step=step, sft_from=sft_from, resumed=resumed[0].name if resumed is not None else None
+    )
+
+
+def _resolve(path: str) -> Path:
+    """A checkpoint directory, or a root holding a ``latest`` pointer."""
+    p = Path(path)
+    latest = latest_checkpoint(p) if (p / "latest").exists() else None
+    return latest or p
+
+
+# ------------------------------------------------------------------ reading checkpoints
+def latest_trainer_state(root: Path) -> tuple[str | None, dict[str, Any] | None]:
+    """Name and trainer state (plain JSON) of the checkpoint ``root/latest`` names, or
+    ``(None, None)`` when there is none or it cannot be read (the resume then says why)."""
+    try:
+        path = latest_checkpoint(root)
+        return (path.name, read_meta(path).get("trainer_state") or {}) if path else (None, None)
+    except CheckpointError:
+        return None, None
+
+
+def saved_model_layout(path: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """The model layout (``meta.json``'s ``layout.model``) of the checkpoint at ``path`` (or
+    of the one its ``latest`` names): ``(layout, None)``, or ``(None, why it cannot be read)``."""
+    try:
+        if (path / "latest").exists():
+            path = latest_checkpoint(path) or path
+        return read_meta(path)["layout"]["model"], None
+    except (CheckpointError, KeyError, TypeError) as exc:
+        return None, str(exc)
+
+
+def clean_aborted_save(root: Path, run_id: str | None) -> tuple[list[str], Path | None]:
+    """After a save cut short: remove the partial checkpoints of run ``run_id`` under ``root``
+    (None: not a marked run, nothing removed); returns their names and the newest complete
+    checkpoint left (None: none, or ``latest`` is damaged)."""
+    removed = []
+    if root.is_dir() and run_id is not None:
+        removed = remove_partial_checkpoints(root, quiet=True, run_id=run_id)
+    try:
+        latest = latest_checkpoint(root)
+    except CheckpointError:
+        latest = None
+    return removed, latest

@@ -14,9 +14,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from reco_megatron.data.tokenizer import Tokenizer
-from reco_megatron.megatron import ReCoEngine, data_parallel_share
+from reco_megatron.parallel.batch import RolloutBatch, data_parallel_share
 from reco_megatron.trainer import setup
 from reco_megatron.trainer.config import TrainConfig
 from reco_megatron.trainer.progress import sft_progress
@@ -26,6 +27,14 @@ from reco_megatron.utils.logging import get_logger
 __all__ = ["Warmup", "run_warmup"]
 
 logger = get_logger(__name__)
+
+
+class SFTEngine(Protocol):
+    """What the warm-up needs of the training engine (``ReCoEngine``)."""
+
+    def sft_step(self, batch: RolloutBatch, lr: float) -> dict[str, float]:
+        """One supervised step on this rank's share of a batch; its metrics."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -40,7 +49,7 @@ class Warmup:
 
 def run_warmup(
     cfg: TrainConfig,
-    engine: ReCoEngine,
+    engine: SFTEngine,
     tokenizer: Tokenizer,
     signals: StopSignals,
     save: Callable[..., None],

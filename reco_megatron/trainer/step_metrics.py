@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from reco_megatron.algo import diversity_metrics, pass_at_k
-from reco_megatron.megatron import collective_device, step_batching_metrics
+from reco_megatron.parallel.collectives import collective_device
+from reco_megatron.parallel.layout import RankLayout
+from reco_megatron.rollout.base import Completion
 
 
 def rollout_counters(
-    rewards: torch.Tensor, completions: list[list[Any]], g: int
+    rewards: torch.Tensor, completions: list[list[Completion]], g: int
 ) -> dict[str, float]:
     """This DP rank's rollout counters, as sums (``*_sum``) and counts, so that summing them
     over DP ranks and dividing gives the global means. ``rewards``: ``[n_groups * g]``."""
@@ -38,6 +41,14 @@ def rollout_counters(
     ]
     out["unique_frac_sum"] = float(sum(unique))
     return out
+
+
+class MetricsSource(Protocol):
+    """What a step's row needs of the training engine (``ReCoEngine``)."""
+
+    def broadcast_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        """The last pipeline stage's ``metrics`` on every rank (collective)."""
+        ...
 
 
 UPDATE_METRICS: tuple[tuple[str, str, str], ...] = (
@@ -93,8 +104,8 @@ def global_row(
     prep: dict[str, float],
     reward_metrics: dict[str, float],
     adv_metrics: dict[str, Any],
-    engine: Any,
-    layout: Any,
+    engine: MetricsSource,
+    layout: RankLayout,
 ) -> dict[str, Any]:
     """One ``metrics.jsonl`` row: the rollout counters summed over DP ranks (collective over
     ``layout.dp_group``), the engine's per-update metrics (already global, broadcast from the
@@ -153,3 +164,32 @@ def moe_columns(prep: dict[str, float], steps: list[dict[str, float]]) -> dict[s
     if worst:
         row["moe_load_imbalance_max"] = max(worst)
     return row
+
+
+def step_batching_metrics(prep: dict[str, float], updates: Sequence[dict]) -> dict[str, float]:
+    """The micro-batching columns of one step's ``metrics.jsonl`` row, from the engine's global
+    metrics of the old-policy pass (``prep``) and of each update:
+
+    * ``pad_frac``: share of the positions computed in the old-policy pass and the updates
+      that are padding;
+    * ``microbatches_per_rank``: micro-batches per rank per optimizer step (the same on every
+      data-parallel rank);
+    * ``dp_tokens_max`` / ``dp_tokens_min``: positions computed per optimizer step on the
+      busiest and the idlest data-parallel rank;
+    * ``balance_tokens_*``: needed tokens per rank before (``_before``) and after the groups
+      were balanced, when they were.
+    """
+    computed = prep.get("old_tokens_computed", 0.0) + sum(
+        m.get("tokens_computed", 0.0) for m in updates
+    )
+    real = prep.get("old_tokens_real", 0.0) + sum(m.get("tokens_real", 0.0) for m in updates)
+    out = {"pad_frac": 1.0 - real / computed if computed else float("nan")}
+    for key, name in (
+        ("microbatches", "microbatches_per_rank"),
+        ("rank_tokens_max", "dp_tokens_max"),
+        ("rank_tokens_min", "dp_tokens_min"),
+    ):
+        values = [m[key] for m in updates if key in m]
+        out[name] = sum(values) / len(values) if values else float("nan")
+    out.update({k: v for k, v in prep.items() if k.startswith("balance_tokens_")})
+    return out

@@ -109,7 +109,7 @@ def stop_agreed(signals: StopSignals) -> bool:
     import torch
     import torch.distributed as dist
 
-    from reco_megatron.megatron import collective_device
+    from reco_megatron.parallel.collectives import collective_device
 
     flag = torch.tensor([1.0 if signals.received is not None else 0.0])
     if dist.is_initialized():
@@ -143,28 +143,16 @@ def report_abort(output_dir: str, rank: int) -> int:
     one line what is intact, and return :data:`EXIT_RESUMABLE`."""
     from pathlib import Path
 
-    from reco_megatron.megatron import (
-        CheckpointError,
-        latest_checkpoint,
-        remove_partial_checkpoints,
-    )
-
     if rank != 0:
         return EXIT_RESUMABLE
     from reco_megatron.trainer.run_dir import read_run_id
+    from reco_megatron.trainer.setup import clean_aborted_save
 
-    root = Path(output_dir) / "checkpoints"
     try:
         run_id = read_run_id(output_dir) or ""
     except ValueError:
         run_id = None  # not a marked run: remove nothing
-    removed = []
-    if root.is_dir() and run_id is not None:
-        removed = remove_partial_checkpoints(root, quiet=True, run_id=run_id)
-    try:
-        latest = latest_checkpoint(root)
-    except CheckpointError:
-        latest = None
+    removed, latest = clean_aborted_save(Path(output_dir) / "checkpoints", run_id)
     gone = f"removed the partial checkpoint {', '.join(removed)}; " if removed else ""
     kept = (
         f"the previous complete checkpoint {latest} is intact: run the same command to resume "

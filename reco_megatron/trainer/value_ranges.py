@@ -9,8 +9,6 @@ range and why); a value that is really meant is accepted when its key is listed 
 
 from __future__ import annotations
 
-from typing import Any
-
 __all__ = ["RANGES", "check_ranges"]
 
 RANGES: dict[str, tuple[float, float, str]] = {
@@ -34,14 +32,14 @@ RANGES: dict[str, tuple[float, float, str]] = {
 """``key: (low, high, why)``: the value must lie in ``[low, high]``."""
 
 
-def _get(cfg: Any, key: str) -> Any:
+def _get(cfg: object, key: str) -> object:
     value = cfg
     for part in key.split("."):
         value = getattr(value, part)
     return value
 
 
-def check_ranges(cfg: Any, allowed: list[str]) -> None:
+def check_ranges(cfg: object, allowed: list[str]) -> None:
     """Raise ``ValueError`` naming every value of :data:`RANGES` outside its range, unless
     its key is in ``allowed``; an unknown key in ``allowed`` is an error too."""
     unknown = [key for key in allowed if key not in RANGES]

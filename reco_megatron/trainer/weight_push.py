@@ -3,7 +3,7 @@
 At start-up the first rank opens a key-value store for the weight groups and sends each
 worker its setup (engine settings, the push plan, the names and shapes every push must carry,
 where the store is); then every sending rank (one per pipeline stage, see
-:func:`reco_megatron.megatron.push_role`) and each worker form a process group of their own
+:meth:`StageWeights.role`) and each worker form a process group of their own
 (gloo on CPU; NCCL when the trainer and the workers are on GPUs). One group per worker: a
 worker that dies fails its own group only.
 
@@ -16,12 +16,13 @@ each version they received; their results carry the version that generated them.
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from reco_megatron.megatron import PushRole, ReCoEngine, collective_device, stage_hf_weights
+from reco_megatron.parallel.collectives import collective_device
 from reco_megatron.rollout.weight_transport import PushPlan, send_push, weight_group
 from reco_megatron.rollout.worker_link import this_host
 from reco_megatron.trainer.config import TrainConfig
@@ -29,6 +30,43 @@ from reco_megatron.trainer.rollout_workers import WorkerPool
 from reco_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)
+
+
+class PushRole(Protocol):
+    """This rank's part in a push."""
+
+    @property
+    def exporter(self) -> bool:
+        """Runs its stage's export (collective over its TP group)."""
+        ...
+
+    @property
+    def sender(self) -> int | None:
+        """Its stage's index when it sends the stage's tensors, else None."""
+        ...
+
+
+class StageWeights(Protocol):
+    """What the push needs of the policy
+    (:class:`~reco_megatron.trainer.rollout_engines.PolicyStages` binds the adapter's export)."""
+
+    @property
+    def on_gpu(self) -> bool:
+        """Whether the policy trains on a GPU (NCCL groups then, when the workers have one)."""
+        ...
+
+    def role(self) -> PushRole:
+        """This rank's part in a push."""
+        ...
+
+    def plan(self) -> list[tuple[str, tuple[int, ...], torch.dtype, int]]:
+        """``(hf_name, shape, dtype, stage)`` of every tensor a push carries, in order
+        (collective over the pipeline group)."""
+        ...
+
+    def stage_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This pipeline stage's ``(hf_name, tensor)`` pairs (collective over its TP group)."""
+        ...
 
 
 class WeightPusher:
@@ -39,7 +77,7 @@ class WeightPusher:
         cfg: TrainConfig,
         plan: PushPlan,
         role: PushRole,
-        policy: ReCoEngine,
+        policy: StageWeights,
         pool: WorkerPool | None,
         spec: dict[str, Any],
         expected: dict[str, tuple[int, ...]],
@@ -133,7 +171,7 @@ class WeightPusher:
         targets = alive[0]
         failed = torch.zeros(len(self.worker_ids), dtype=torch.float32)
         if self.role.exporter:
-            stream = stage_hf_weights(self.policy.unwrapped(), self.cfg.model)
+            stream = self.policy.stage_weights()
             if self.role.sender is not None:
                 pairs = [(self.groups[w], self.plan.senders) for w in targets]
                 _, bad = send_push(pairs, self.plan, self.role.sender, version, stream, self.device)

@@ -1,15 +1,16 @@
-"""Streaming the policy into the rollout engine (built by :mod:`.rollout_engines`).
+"""The trainer's handle on its rollout engine, and how the policy streams into it.
 
-The policy's weights travel as Hugging Face ``(name, tensor)`` pairs
-(:func:`reco_megatron.megatron.hf.converter.policy_hf_weights`): what vLLM's
-``load_weights`` and the embedded transformers engine both take. Every rank holds a rollout
+The engine is built, and the policy's weights exported, by :mod:`.rollout_engines`
+(:func:`~reco_megatron.trainer.rollout_engines.sync_weights`). The weights travel as Hugging
+Face ``(name, tensor)`` pairs: what vLLM's ``load_weights`` and the embedded transformers
+engine both take. Every rank holds a rollout
 engine for its data-parallel replica, so every rank receives every tensor; each push is checked
 per tensor against ``hf_shapes(model)`` (every name the converter must emit, for any TP/PP
 layout, since the stream carries all stages) before the engine sees it.
 
 One step with a colocated engine: ``generate`` -> :meth:`RolloutClient.sleep` (vLLM level 1:
 weights to host, KV cache freed) -> old-logprob pass and optimizer steps ->
-:func:`sync_weights` (:meth:`RolloutClient.refit`: wake the weights, push them verified, reset
+``sync_weights`` (:meth:`RolloutClient.refit`: wake the weights, push them verified, reset
 the prefix cache, wake the KV cache).
 
 The ``megatron`` engine decodes on the trainer's own chunks: its sleep frees the KV cache and
@@ -24,7 +25,6 @@ from typing import Any
 
 import torch
 
-from reco_megatron.megatron import ModelConfig, ReCoEngine, policy_hf_weights
 from reco_megatron.rollout.base import Completion, RolloutEngine, SamplingParams
 from reco_megatron.utils.logging import get_logger
 
@@ -84,20 +84,3 @@ class RolloutClient:
 
     def close(self) -> None:
         self.engine.close()
-
-
-def sync_weights(
-    engine: ReCoEngine, rollout: RolloutClient, model_cfg: ModelConfig, converter: str = "builtin"
-) -> None:
-    """Stream the current policy into the rollout engine (collective): wake its weights, push
-    them checked per tensor, reset its prefix cache, wake its KV cache
-    (:meth:`RolloutClient.refit`; the engine may be asleep or awake).
-
-    ``converter`` is the resolved ``checkpoint.hf_converter``
-    (:func:`reco_megatron.megatron.hf.converter.choose_converter`). An engine that generates
-    with the trainer's own weights (``uses_trainer_weights``) gets an empty stream: no export.
-    """
-    if getattr(rollout.engine, "uses_trainer_weights", False):
-        rollout.refit(iter(()))
-        return
-    rollout.refit(policy_hf_weights(engine.unwrapped(), model_cfg, converter))

@@ -22,9 +22,9 @@ from reco_megatron.megatron.distributed import ParallelConfig, initialize_parall
 from reco_megatron.megatron.hf.convert import gather_tp, global_names, shard_tp
 from reco_megatron.megatron.model.config import ModelConfig
 from reco_megatron.megatron.model.optimizer import OptimConfig
-from reco_megatron.megatron.step.batch import RolloutBatch, data_parallel_share
 from reco_megatron.megatron.step.config import UpdateConfig
 from reco_megatron.megatron.step.engine import ReCoEngine
+from reco_megatron.parallel.batch import RolloutBatch, data_parallel_share
 
 VOCAB, LENGTH, GROUP, GROUPS = 100, 14, 4, 4  # 16 sequences of 14 tokens
 

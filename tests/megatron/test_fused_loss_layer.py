@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from reco_megatron.algo import LossConfig
-from reco_megatron.megatron.step.batch import RolloutBatch
 from reco_megatron.megatron.step.loss_layer import LossContext, policy_loss_func, sft_loss_func
+from reco_megatron.parallel.batch import RolloutBatch
 
 ATOL = 1e-5
 B, L, H, VOCAB, V_PAD = 4, 7, 8, 40, 48

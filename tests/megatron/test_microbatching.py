@@ -9,7 +9,6 @@ import random
 import pytest
 import torch
 
-from reco_megatron.megatron.step.batch import RolloutBatch
 from reco_megatron.megatron.step.dp_balance import balanced_partition, sequence_cost
 from reco_megatron.megatron.step.microbatching import (
     MicroBatchPlan,
@@ -23,6 +22,7 @@ from reco_megatron.megatron.step.microbatching import (
     split_to,
     take_rows,
 )
+from reco_megatron.parallel.batch import RolloutBatch
 
 
 def _long_tailed(n: int, seed: int = 0, low: int = 4, high: int = 300) -> list[int]:

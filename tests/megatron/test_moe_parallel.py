@@ -28,7 +28,7 @@ import torch
 
 from reco_megatron.megatron.distributed import ParallelConfig
 from reco_megatron.megatron.model.config import ModelConfig
-from reco_megatron.megatron.step.batch import data_parallel_groups
+from reco_megatron.parallel.batch import data_parallel_groups
 from reco_megatron.testing import run_distributed
 from tests.megatron import _moe, _reco
 

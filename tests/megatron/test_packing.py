@@ -19,7 +19,6 @@ import pytest
 import torch
 
 from reco_megatron.algo import LossConfig
-from reco_megatron.megatron.step.batch import RolloutBatch
 from reco_megatron.megatron.step.loss_layer import (
     LossContext,
     make_forward_step,
@@ -34,6 +33,7 @@ from reco_megatron.megatron.step.packing import (
     pack_layout,
     packing_available,
 )
+from reco_megatron.parallel.batch import RolloutBatch
 
 VOCAB, HIDDEN, ATOL = 40, 16, 1e-6
 

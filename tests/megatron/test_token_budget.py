@@ -19,8 +19,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from reco_megatron.megatron.step.batch import RolloutBatch
 from reco_megatron.megatron.step.microbatching import needed_lengths
+from reco_megatron.parallel.batch import RolloutBatch
 from reco_megatron.testing import run_distributed
 from tests.megatron import _reco
 

@@ -19,7 +19,6 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from reco_megatron.megatron.checkpoint import integrity
-from reco_megatron.megatron.checkpoint.collective import all_gather, barrier, rank, world_size
 from reco_megatron.megatron.checkpoint.format import (
     FORMAT_VERSION,
     CheckpointError,
@@ -35,6 +34,7 @@ from reco_megatron.megatron.checkpoint.megatron_state import (
 from reco_megatron.megatron.checkpoint.rng import set_rng_state
 from reco_megatron.megatron.checkpoint.safe_pickle import check_dcp_metadata
 from reco_megatron.megatron.checkpoint.save import layout
+from reco_megatron.parallel.collectives import all_gather, barrier, rank, world_size
 from reco_megatron.utils.logging import get_logger
 
 __all__ = ["check_compatible", "load_checkpoint", "verify_checkpoint"]

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 from reco_megatron.megatron.checkpoint import integrity
-from reco_megatron.megatron.checkpoint.collective import barrier, rank
 from reco_megatron.megatron.checkpoint.format import (
     DamagedCheckpointError,
     LatestPointerError,
@@ -26,6 +25,7 @@ from reco_megatron.megatron.checkpoint.format import (
 )
 from reco_megatron.megatron.checkpoint.load import load_checkpoint
 from reco_megatron.megatron.checkpoint.ownership import partial_leftovers, remove_tree
+from reco_megatron.parallel.collectives import barrier, rank
 from reco_megatron.utils.logging import get_logger
 
 __all__ = ["remove_partial_checkpoints", "resume_latest"]

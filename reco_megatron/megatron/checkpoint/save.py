@@ -29,13 +29,6 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from reco_megatron.megatron.checkpoint import integrity
-from reco_megatron.megatron.checkpoint.collective import (
-    all_gather,
-    barrier,
-    from_rank0,
-    rank,
-    world_size,
-)
 from reco_megatron.megatron.checkpoint.format import (
     FORMAT_VERSION,
     PRUNED_PREFIX,
@@ -48,6 +41,13 @@ from reco_megatron.megatron.checkpoint.format import (
 from reco_megatron.megatron.checkpoint.megatron_state import save_model_and_optimizer, state_bytes
 from reco_megatron.megatron.checkpoint.ownership import mark_owner, owned_by, remove_tree
 from reco_megatron.megatron.checkpoint.rng import rng_state
+from reco_megatron.parallel.collectives import (
+    all_gather,
+    barrier,
+    from_rank0,
+    rank,
+    world_size,
+)
 from reco_megatron.utils.logging import get_logger
 
 __all__ = ["layout", "save_checkpoint"]

@@ -216,7 +216,7 @@ class MegatronDecoder:
         just ``mine`` without expert parallelism."""
         if self._ep_group is None:
             return mine
-        from reco_megatron.megatron.device import collective_device
+        from reco_megatron.parallel.collectives import collective_device
 
         flag = torch.tensor([1 if mine else 0], dtype=torch.int32)
         flag = flag.to(collective_device(self._ep_group))
@@ -229,7 +229,7 @@ class MegatronDecoder:
         fewer calls makes up the difference with :meth:`decode_idle`."""
         if self._ep_group is None:
             return calls
-        from reco_megatron.megatron.device import collective_device
+        from reco_megatron.parallel.collectives import collective_device
 
         most = torch.tensor([calls], dtype=torch.int64).to(collective_device(self._ep_group))
         dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self._ep_group)
@@ -261,7 +261,7 @@ class MegatronDecoder:
         """``[b, T, layers, k]`` with every pipeline stage's layers (collective over PP)."""
         if self.pp_size == 1:
             return routed
-        from reco_megatron.megatron.device import collective_device
+        from reco_megatron.parallel.collectives import collective_device
 
         device = collective_device(self.pp_group)
         local = routed.to(device, torch.int32)

@@ -36,9 +36,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from reco_megatron.megatron.device import collective_device
 from reco_megatron.megatron.model.replay_hook import ReplayHook
-from reco_megatron.megatron.step.batch import RolloutBatch
+from reco_megatron.parallel.batch import RolloutBatch
+from reco_megatron.parallel.collectives import collective_device
 
 
 class MoERouting:

@@ -25,9 +25,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from reco_megatron.megatron.device import collective_device
-from reco_megatron.megatron.step.batch import RolloutBatch
 from reco_megatron.megatron.step.microbatching import needed_lengths, round_up, take_rows
+from reco_megatron.parallel.batch import RolloutBatch
+from reco_megatron.parallel.collectives import collective_device
 
 
 def sequence_cost(length: int, hidden_size: int) -> float:

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from reco_megatron.algo import LossConfig, batch_response_weights, check_weight_policy
-from reco_megatron.megatron.device import collective_device, resolve_device
+from reco_megatron.megatron.device import resolve_device
 from reco_megatron.megatron.distributed import ParallelConfig
 from reco_megatron.megatron.model.build import build_model, fuse_output_layer, transformer_config
 from reco_megatron.megatron.model.config import ModelConfig
@@ -43,7 +43,6 @@ from reco_megatron.megatron.model.optimizer import (
     wrap_ddp,
 )
 from reco_megatron.megatron.model.routing import MoERouting
-from reco_megatron.megatron.step.batch import RolloutBatch
 from reco_megatron.megatron.step.config import UpdateConfig
 from reco_megatron.megatron.step.loss_layer import (
     LossContext,
@@ -59,6 +58,8 @@ from reco_megatron.megatron.step.microbatching import (
     with_plan_counters,
 )
 from reco_megatron.megatron.step.schedule import MicroBatcher
+from reco_megatron.parallel.batch import RolloutBatch
+from reco_megatron.parallel.collectives import collective_device
 from reco_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)

@@ -40,8 +40,8 @@ import torch
 
 from reco_megatron.algo import LossConfig, TokenStats, policy_loss
 from reco_megatron.megatron.device import check_on_device
-from reco_megatron.megatron.step.batch import RolloutBatch
 from reco_megatron.parallel import vocab_parallel_stats
+from reco_megatron.parallel.batch import RolloutBatch
 from reco_megatron.parallel.linear_loss import vocab_parallel_linear_loss
 from reco_megatron.parallel.linear_stats import vocab_parallel_linear_stats
 from reco_megatron.parallel.vocab_stats_kernels import Implementation

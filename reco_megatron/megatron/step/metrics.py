@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from reco_megatron.megatron.device import collective_device
+from reco_megatron.parallel.collectives import collective_device
 
 
 def _dp_group():

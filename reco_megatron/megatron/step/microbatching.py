@@ -30,7 +30,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from reco_megatron.megatron.step.batch import RolloutBatch
+from reco_megatron.parallel.batch import RolloutBatch
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -352,32 +352,3 @@ def with_plan_counters(parts: Sequence[dict], plan: MicroBatchPlan) -> list[dict
         }
         for i, part in enumerate(parts)
     ]
-
-
-def step_batching_metrics(prep: dict[str, float], updates: Sequence[dict]) -> dict[str, float]:
-    """The micro-batching columns of one step's ``metrics.jsonl`` row, from the engine's global
-    metrics of the old-policy pass (``prep``) and of each update:
-
-    * ``pad_frac``: share of the positions computed in the old-policy pass and the updates
-      that are padding;
-    * ``microbatches_per_rank``: micro-batches per rank per optimizer step (the same on every
-      data-parallel rank);
-    * ``dp_tokens_max`` / ``dp_tokens_min``: positions computed per optimizer step on the
-      busiest and the idlest data-parallel rank;
-    * ``balance_tokens_*``: needed tokens per rank before (``_before``) and after the groups
-      were balanced, when they were.
-    """
-    computed = prep.get("old_tokens_computed", 0.0) + sum(
-        m.get("tokens_computed", 0.0) for m in updates
-    )
-    real = prep.get("old_tokens_real", 0.0) + sum(m.get("tokens_real", 0.0) for m in updates)
-    out = {"pad_frac": 1.0 - real / computed if computed else float("nan")}
-    for key, name in (
-        ("microbatches", "microbatches_per_rank"),
-        ("rank_tokens_max", "dp_tokens_max"),
-        ("rank_tokens_min", "dp_tokens_min"),
-    ):
-        values = [m[key] for m in updates if key in m]
-        out[name] = sum(values) / len(values) if values else float("nan")
-    out.update({k: v for k, v in prep.items() if k.startswith("balance_tokens_")})
-    return out

@@ -27,8 +27,8 @@ from typing import Any
 import torch
 
 from reco_megatron.megatron.device import check_on_device
-from reco_megatron.megatron.step.batch import RolloutBatch
 from reco_megatron.megatron.step.microbatching import round_up
+from reco_megatron.parallel.batch import RolloutBatch
 from reco_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)

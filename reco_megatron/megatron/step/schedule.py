@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 
-from reco_megatron.megatron.step.batch import RolloutBatch
 from reco_megatron.megatron.step.dp_balance import balance_across_ranks, common_count
 from reco_megatron.megatron.step.loss_layer import LossContext, make_forward_step
 from reco_megatron.megatron.step.microbatching import (
@@ -35,6 +34,7 @@ from reco_megatron.megatron.step.packing import (
     pack_layout,
     packing_available,
 )
+from reco_megatron.parallel.batch import RolloutBatch
 from reco_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)
