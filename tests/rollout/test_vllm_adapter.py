@@ -131,6 +131,8 @@ def test_sleep_wake_close_and_prefix_cache(fake) -> None:
 def test_launcher_env_is_taken_from_torch_distributed_or_named(fake, monkeypatch) -> None:
     monkeypatch.delenv("RANK")
     monkeypatch.delenv("LOCAL_RANK")
+    # an earlier in-process run may have left this process's default group initialised
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
     if torch.cuda.is_available():  # pragma: no cover - CPU CI
         pytest.skip("LOCAL_RANK comes from the CUDA device here")
     with pytest.raises(RuntimeError, match=r"needs \['RANK', 'LOCAL_RANK'\]"):
