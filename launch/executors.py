@@ -1,7 +1,10 @@
 """Executor factories: local (torchrun, N processes) and Slurm (pyxis container, tunnel).
 
 Both return NeMo-Run executors that start one torchrun per node; :mod:`launch.experiments`
-gives them a :func:`train_script`. ``nemo_run`` is imported lazily so this module imports
+gives them a :func:`train_script`. A job whose last nodes run rollout workers (separate
+placement, ``rollout_nodes``) runs :func:`split_script` instead, on :func:`role_executor`:
+one ``slurm/role.sh`` task per node, the same role dispatch as ``ROLLOUT_NODES`` in
+``slurm/``. ``nemo_run`` is imported lazily so this module imports
 without the ``nemo-run`` extra (the factories then raise with the install command).
 """
 
@@ -46,6 +49,55 @@ def train_script(config: str, overrides: Sequence[str] = (), env: Mapping[str, s
         m=True,
         env=dict(env),
     )
+
+
+WORKER_CONNECT_TIMEOUT_S = 1800
+"""How long a rollout worker waits for the trainer's address (``ROLLOUT_CONNECT_TIMEOUT``'s
+default in ``slurm/common.sh``): the trainer loads its model first."""
+
+
+def split_script(
+    config: str,
+    overrides: Sequence[str],
+    split: Any,
+    *,
+    output_dir: str,
+    nproc_per_node: int,
+    rdzv_port: int = 29500,
+) -> Any:
+    """A NeMo-Run ``Script`` running ``bash slurm/role.sh`` on every node of a split job.
+
+    ``split`` is the :class:`reco_megatron.launch_check.RolloutSplit` that
+    ``launch_check.check_split`` returned for this config and these overrides. The training
+    nodes run torchrun over ``split.train_nodes`` nodes (rendezvous on the job's head node,
+    ``$head_node_ip`` of NeMo-Run's sbatch script) with ``split.overrides()`` before
+    ``overrides`` (``trainer.output_dir=output_dir`` among them); the rollout nodes start their
+    workers on ``output_dir/rollout/address.json``. Run it on :func:`role_executor`.
+    """
+    run = import_nemo_run()
+    args = [
+        *("--train-nodes", str(split.train_nodes), "--workers", str(split.num_workers)),
+        *("--workers-per-node", str(split.workers_per_node)),
+        *("--gpus-per-worker", str(split.gpus_per_worker)),
+        *("--worker", "python", "-m", "reco_megatron.rollout.worker"),
+        *("--address", f"{output_dir}/rollout/address.json"),
+        *("--connect-timeout", str(WORKER_CONNECT_TIMEOUT_S)),
+        *("--trainer", "python", "-m", "torch.distributed.run"),
+        *("--nnodes", str(split.train_nodes), "--nproc-per-node", str(nproc_per_node)),
+        *("--rdzv-backend", "c10d", "--rdzv-endpoint", f"$head_node_ip:{rdzv_port}"),
+        *("--rdzv-id", "$SLURM_JOB_ID", "--max-restarts", "0"),
+        *("-m", "reco_megatron.train", config, *split.overrides(), *overrides),
+    ]
+    return run.Script(path="slurm/role.sh", args=args, entrypoint="bash")
+
+
+def role_executor(executor: Any) -> Any:
+    """A clone of a :func:`slurm_executor` for :func:`split_script`: one task per node and no
+    launcher (``role.sh`` starts torchrun on the training nodes itself)."""
+    clone = executor.clone()
+    clone.launcher = None
+    clone.ntasks_per_node = 1
+    return clone
 
 
 def local_executor(

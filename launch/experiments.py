@@ -11,6 +11,10 @@ method (``reco_megatron.algo.config.PRESETS``); everything else comes from the c
     python -m launch.experiments --executor slurm --account ACCT --partition batch \\
         --nodes 1 --config examples/qwen2.5-math-1.5b.yaml
 
+    # Slurm, 4 nodes per run: 2 train, 2 generate (separate placement, slurm/role.sh)
+    python -m launch.experiments --executor slurm --account ACCT --nodes 4 \\
+        --rollout-nodes 2 --config examples/llama3.1-8b-instruct.yaml loss.tis_cap=2.0
+
     # print the sbatch files (Slurm) or torchrun lines (local) without running anything
     python -m launch.experiments --executor slurm --account ACCT --dryrun --config ...
 
@@ -35,7 +39,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from launch.executors import import_nemo_run, local_executor, slurm_executor, train_script
+from launch.executors import (
+    import_nemo_run,
+    local_executor,
+    role_executor,
+    slurm_executor,
+    split_script,
+    train_script,
+)
 
 ABLATION: tuple[str, ...] = ("grpo", "reco", "reco_response_only", "reco_token_only")
 """The four methods of the ablation, as ``LossConfig`` preset names."""
@@ -77,19 +88,39 @@ def add_ablation(
     output_root: str = "runs/ablation",
     variants: Sequence[str] = ABLATION,
     full_preset: bool = False,
+    rollout_nodes: int = 0,
 ) -> list[str]:
     """Add one task per variant to ``exp`` (inside ``with exp:``); returns the task names.
 
     Each task: ``config``, then the variant's loss overrides, then ``overrides``, then
-    ``trainer.output_dir=<output_root>/<variant>``.
+    ``trainer.output_dir=<output_root>/<variant>``. ``rollout_nodes=k`` (a Slurm executor):
+    the last k nodes of each job run rollout workers (:func:`launch.executors.split_script`),
+    the split checked and sized by ``reco_megatron.launch_check.check_split``, which raises
+    ``ValueError`` (one line, with the fix) for a split that cannot run.
     """
     for variant in variants:
+        output_dir = f"{output_root}/{variant}"
         args = [
             *ablation_overrides(variant, full_preset=full_preset),
             *overrides,
-            f"trainer.output_dir={output_root}/{variant}",
+            f"trainer.output_dir={output_dir}",
         ]
-        exp.add(train_script(config, args), executor=executor.clone(), name=variant)
+        if rollout_nodes:
+            from reco_megatron.launch_check import check_split
+
+            gpus = executor.gpus_per_node
+            _, split = check_split(
+                config,
+                args,
+                nnodes=executor.nodes,
+                nproc_per_node=gpus,
+                gpus_per_node=gpus,
+                rollout_nodes=rollout_nodes,
+            )
+            task = split_script(config, args, split, output_dir=output_dir, nproc_per_node=gpus)
+            exp.add(task, executor=role_executor(executor), name=variant)
+        else:
+            exp.add(train_script(config, args), executor=executor.clone(), name=variant)
     return list(variants)
 
 
@@ -116,24 +147,28 @@ def preflight(
     nproc_per_node: int,
     gpus_per_node: int,
     full_preset: bool = False,
+    rollout_nodes: int = 0,
 ) -> list[str]:
     """The problems (``"<variant>: <reason and fix>"``) of launching each variant on this
-    layout, checked as the Slurm scripts check (``reco_megatron.launch_check``); [] when all
-    fit. Raises ImportError when the project's dependencies are missing here."""
+    layout, checked as the Slurm scripts check (``reco_megatron.launch_check``, with
+    ``--rollout-nodes``' split when ``rollout_nodes``); [] when all fit. Raises ImportError
+    when the project's dependencies are missing here."""
     from reco_megatron.config import ConfigError
-    from reco_megatron.launch_check import check_layout
+    from reco_megatron.launch_check import check_layout, check_split
 
     problems = []
     for variant in variants:
         try:
             args = [*ablation_overrides(variant, full_preset=full_preset), *overrides]
-            check_layout(
-                config,
-                args,
-                nnodes=nnodes,
-                nproc_per_node=nproc_per_node,
-                gpus_per_node=gpus_per_node,
-            )
+            sizes = {
+                "nnodes": nnodes,
+                "nproc_per_node": nproc_per_node,
+                "gpus_per_node": gpus_per_node,
+            }
+            if rollout_nodes:
+                check_split(config, args, rollout_nodes=rollout_nodes, **sizes)
+            else:
+                check_layout(config, args, **sizes)
         except (ConfigError, ValueError) as exc:
             problems.append(f"{variant}: {' '.join(str(exc).split())}")
     return problems
@@ -204,6 +239,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--time", default="04:00:00", help="slurm: time limit per run")
     p.add_argument("--job-dir", default="", help="slurm: NeMo-Run job dir (on the cluster)")
     p.add_argument("--ssh-host", default=None, help="slurm: submit through SSH to this host")
+    p.add_argument(
+        "--rollout-nodes",
+        type=int,
+        default=0,
+        help="slurm: the last K nodes of each job run rollout workers (separate placement)",
+    )
     p.add_argument("--full-preset", action="store_true", help="apply every preset field")
     p.add_argument("--dryrun", action="store_true", help="render, do not run")
     p.add_argument("overrides", nargs="*", help="section.key=value trainer overrides")
@@ -215,6 +256,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         p.error(f"--variants: unknown preset(s) {unknown}; valid: {', '.join(PRESETS)}")
     local = ns.executor == "local"
+    if local and ns.rollout_nodes:
+        p.error("--rollout-nodes needs --executor slurm (nodes of their own for the workers)")
     try:
         problems = preflight(
             ns.config,
@@ -224,6 +267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             nproc_per_node=ns.nproc_per_node if local else ns.gpus_per_node,
             gpus_per_node=0 if local else ns.gpus_per_node,
             full_preset=ns.full_preset,
+            rollout_nodes=ns.rollout_nodes,
         )
     except ImportError as exc:
         from reco_megatron.launch_check import EXIT_ENVIRONMENT, environment_problem
@@ -256,6 +300,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         output_root=ns.output_root,
         variants=variants,
         full_preset=ns.full_preset,
+        rollout_nodes=ns.rollout_nodes,
     ) as exp:
         if ns.dryrun:
             print_dryrun(exp, ns.executor)

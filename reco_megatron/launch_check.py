@@ -14,6 +14,12 @@ project's environment) it says which interpreter and what to do, and exits 69
 layout does not fit" (``--quiet-environment`` leaves that message out, for a launcher that
 then runs the check inside a container). ``--gpus-per-node 0`` means a CPU run (gloo): the
 GPU checks are skipped.
+
+``--rollout-nodes K`` checks a job whose last K nodes run rollout workers (``ROLLOUT_NODES``
+in ``slurm/``; :func:`check_split`): the first ``NNODES - K`` nodes are checked as above, on
+the config with ``rollout.placement=separate rollout.worker_launch=external
+rollout.num_workers=W`` applied before the overrides; the success line then goes on with the
+split, ``... TRAIN_NODES=2 ROLLOUT_NODES=2 WORKERS=8 WORKERS_PER_NODE=4 WORKER_GPUS=2``.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 EXIT_CONFIG = 2
 """Exit status of an invalid config or a layout that does not fit it."""
@@ -87,12 +94,21 @@ def check_layout(
     from reco_megatron.config import load_config
     from reco_megatron.trainer.config import TrainConfig
 
+    _check_counts(nnodes, nproc_per_node, gpus_per_node)
+    cfg = load_config(TrainConfig, config_path, list(overrides))
+    return layout_of(cfg, nnodes=nnodes, nproc_per_node=nproc_per_node, gpus_per_node=gpus_per_node)
+
+
+def _check_counts(nnodes: int, nproc_per_node: int, gpus_per_node: int) -> None:
     if nnodes < 1 or nproc_per_node < 1 or gpus_per_node < 0:
         raise ValueError(
             f"nodes={nnodes}, processes per node={nproc_per_node}, GPUs per node="
             f"{gpus_per_node}: nodes and processes must be >= 1 and GPUs >= 0"
         )
-    cfg = load_config(TrainConfig, config_path, list(overrides))
+
+
+def layout_of(cfg: Any, *, nnodes: int, nproc_per_node: int, gpus_per_node: int) -> Layout:
+    """:func:`check_layout` on an already loaded ``TrainConfig``."""
     par = cfg.parallel
     tp, pp, cp = (
         par.tensor_model_parallel_size,
@@ -123,6 +139,138 @@ def check_layout(
     return Layout(tp=tp, pp=pp, cp=cp, dp=dp, world=world, ep=par.expert_model_parallel_size)
 
 
+@dataclass(frozen=True, kw_only=True)
+class RolloutSplit:
+    """One job's nodes split into training nodes and rollout nodes (separate placement)."""
+
+    train_nodes: int
+    """Nodes running the trainer (the first ones of the allocation)."""
+    rollout_nodes: int
+    """Nodes running rollout workers (the last ones)."""
+    workers_per_node: int
+    """Worker slots of one rollout node (GPUs per node / GPUs per worker; 1 on the CPU)."""
+    gpus_per_worker: int
+    """GPUs of one worker: the trainer's TP for vLLM, 1 for the embedded engine, 0 on CPU."""
+    num_workers: int
+    """``rollout.num_workers``: workers in total, numbered node-major over the rollout nodes."""
+
+    def overrides(self) -> list[str]:
+        """The trainer overrides the job scripts add before the user's own (which win)."""
+        slots = self.rollout_nodes * self.workers_per_node
+        return [*SEPARATE_OVERRIDES, f"rollout.num_workers={slots}"]
+
+    def line(self) -> str:
+        """The tokens the scripts parse (after :meth:`Layout.line`)."""
+        return (
+            f"TRAIN_NODES={self.train_nodes} ROLLOUT_NODES={self.rollout_nodes} "
+            f"WORKERS={self.num_workers} WORKERS_PER_NODE={self.workers_per_node} "
+            f"WORKER_GPUS={self.gpus_per_worker}"
+        )
+
+
+SEPARATE_OVERRIDES: tuple[str, ...] = (
+    "rollout.placement=separate",
+    "rollout.worker_launch=external",
+)
+"""What every rollout-node job adds to the trainer's overrides (then ``num_workers``)."""
+
+
+def _one_line(exc: Exception) -> str:
+    problems = getattr(exc, "problems", None)
+    text = "; ".join(problems) if problems else str(exc)
+    return " ".join(text.split())
+
+
+def check_split(
+    config_path: str | None,
+    overrides: Sequence[str],
+    *,
+    nnodes: int,
+    nproc_per_node: int,
+    gpus_per_node: int,
+    rollout_nodes: int,
+) -> tuple[Layout, RolloutSplit]:
+    """Check a job of ``nnodes`` whose last ``rollout_nodes`` run rollout workers.
+
+    The training part (``nnodes - rollout_nodes`` nodes) is checked as :func:`check_layout`
+    checks a whole job, on the config with :meth:`RolloutSplit.overrides` applied before
+    ``overrides`` (so ``TrainConfig``'s own checks of separate placement speak, e.g.
+    ``max_staleness > 0`` needs ``loss.tis_cap``). Raises ``ValueError`` (one line, with the
+    fix) when: ``rollout_nodes`` is negative or leaves no training node; the GPUs of a node
+    are not a whole number of workers; ``overrides`` turn the placement back to colocated or
+    the worker launch to spawn; ``rollout.num_workers`` asks for more workers than the rollout
+    nodes hold, or so few that a rollout node idles; the config refuses the split.
+    """
+    from reco_megatron.config import ConfigError, load_config
+    from reco_megatron.trainer.config import TrainConfig
+
+    k = rollout_nodes
+    if k < 0:
+        raise ValueError(f"ROLLOUT_NODES={k}: give 0 (colocated) or a number of rollout nodes >= 1")
+    if k >= nnodes:
+        raise ValueError(
+            f"ROLLOUT_NODES={k} of {nnodes} node(s) leaves no node to train on: request at "
+            f"least {k + 1} nodes (sbatch --nodes {k + 1}) or lower ROLLOUT_NODES"
+        )
+    _check_counts(nnodes, nproc_per_node, gpus_per_node)
+    user = list(overrides)
+
+    def load(extra: Sequence[str]) -> Any:
+        try:
+            return load_config(TrainConfig, config_path, [*extra, *user])
+        except ConfigError as exc:
+            raise ValueError(f"ROLLOUT_NODES={k}: {_one_line(exc)}") from None
+
+    probe = load(SEPARATE_OVERRIDES)  # the user's overrides win, so look at what they made
+    roll = probe.rollout
+    if roll.placement != "separate":
+        raise ValueError(
+            f"rollout.placement={roll.placement} with ROLLOUT_NODES={k}: the rollout nodes "
+            "serve a separate placement only; drop the override, or set ROLLOUT_NODES=0"
+        )
+    if roll.worker_launch != "external":
+        raise ValueError(
+            f"rollout.worker_launch={roll.worker_launch} with ROLLOUT_NODES={k}: the job starts "
+            "the workers on the rollout nodes (external); drop the override, or set "
+            "ROLLOUT_NODES=0 and let the trainer spawn them"
+        )
+    tp = probe.parallel.tensor_model_parallel_size
+    if gpus_per_node == 0:
+        gpus, per_node = 0, 1
+    else:
+        gpus = tp if roll.engine == "vllm" else 1
+        if gpus_per_node % gpus:
+            raise ValueError(
+                f"GPUS_PER_NODE={gpus_per_node} is not a whole number of rollout workers of "
+                f"{gpus} GPUs (rollout.engine=vllm runs at the trainer's "
+                f"parallel.tensor_model_parallel_size={tp}): use a TP that divides "
+                f"{gpus_per_node}, or nodes whose GPU count it divides"
+            )
+        per_node = gpus_per_node // gpus
+    slots = k * per_node
+    split = RolloutSplit(
+        train_nodes=nnodes - k,
+        rollout_nodes=k,
+        workers_per_node=per_node,
+        gpus_per_worker=gpus,
+        num_workers=slots,
+    )
+    cfg = load(split.overrides())
+    wanted = cfg.rollout.num_workers
+    if wanted > slots or wanted <= slots - per_node:
+        need = -(-wanted // per_node)
+        raise ValueError(
+            f"rollout.num_workers={wanted} with ROLLOUT_NODES={k} x {per_node} worker(s) per "
+            f"node: give {slots - per_node + 1}..{slots} workers (every rollout node busy), "
+            f"drop the override ({slots}), or set ROLLOUT_NODES={need}"
+        )
+    split = RolloutSplit(**{**split.__dict__, "num_workers": wanted})
+    layout = layout_of(
+        cfg, nnodes=nnodes - k, nproc_per_node=nproc_per_node, gpus_per_node=gpus_per_node
+    )
+    return layout, split
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line: see the module docstring. Returns the exit code."""
     parser = argparse.ArgumentParser(
@@ -139,6 +287,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help=f"exit {EXIT_ENVIRONMENT} without a message when the project cannot be imported",
     )
+    parser.add_argument(
+        "--rollout-nodes",
+        type=int,
+        default=0,
+        help="the last K nodes run rollout workers (separate placement); 0: colocated",
+    )
     parser.add_argument("args", nargs="*", help="CONFIG.yaml then dotted.key=value overrides")
     ns = parser.parse_args(argv)
     try:  # everything that needs the project's dependencies (PyYAML, torch, megatron-core)
@@ -150,17 +304,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_ENVIRONMENT
     try:
         config_path, overrides = parse_cli(ns.args)
-        layout = check_layout(
-            None if config_path is None else str(config_path),
-            overrides,
-            nnodes=ns.nnodes,
-            nproc_per_node=ns.nproc_per_node,
-            gpus_per_node=ns.gpus_per_node,
-        )
+        path = None if config_path is None else str(config_path)
+        sizes = {
+            "nnodes": ns.nnodes,
+            "nproc_per_node": ns.nproc_per_node,
+            "gpus_per_node": ns.gpus_per_node,
+        }
+        if ns.rollout_nodes:
+            layout, split = check_split(path, overrides, rollout_nodes=ns.rollout_nodes, **sizes)
+            line = f"{layout.line()} {split.line()}"
+        else:
+            line = check_layout(path, overrides, **sizes).line()
     except (ConfigError, ValueError) as exc:
         sys.stderr.write(f"reco launch check failed: {exc}\n")
         return EXIT_CONFIG
-    sys.stdout.write(layout.line() + "\n")
+    sys.stdout.write(line + "\n")
     return 0
 
 

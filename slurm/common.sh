@@ -22,6 +22,15 @@
 #   LAUNCH_CHECK=0   skip the layout check (not recommended)
 #   REQUEUE_ON_TIMEOUT=0  do not `scontrol requeue` after the time-limit warning (USR1)
 #   FORWARD_SIGNAL   signal sent to the srun step when the batch shell gets USR1/TERM (TERM)
+#   ROLLOUT_NODES=k  the last k nodes generate, the others train (separate placement; default
+#                    0: colocated, every node trains and generates). One srun over all nodes
+#                    runs slurm/role.sh, which picks each node's role from SLURM_NODEID; the
+#                    trainer gets rollout.placement=separate rollout.worker_launch=external
+#                    rollout.num_workers=<slots> before the user's overrides. Needs the layout
+#                    check (it sizes the workers from the config's TP) and an OUTPUT_DIR that
+#                    every node sees (the workers find the trainer in OUTPUT_DIR/rollout/).
+#   ROLLOUT_CONNECT_TIMEOUT  seconds a rollout worker waits for the trainer to publish its
+#                    address (default 1800: the trainer loads its model first)
 
 reco_log() { printf '[reco %s] %s\n' "$(date +%T)" "$*" >&2; }
 reco_die() { printf 'reco: error: %s\n' "$*" >&2; exit 1; }
@@ -95,6 +104,8 @@ reco_export_env() {
 }
 
 # Build RECO_CMD: srun [container] torchrun ... -m reco_megatron.train CONFIG overrides...
+# With ROLLOUT_NODES: srun [container] bash slurm/role.sh <split> --worker ... --trainer
+# torchrun (over the training nodes) ... separate-placement overrides, then the user's.
 reco_build_command() {
   local python=$RECO_PYTHON
   [ -n "${CONTAINER_IMAGE:-}" ] && python=${PYTHON:-python}  # the container's interpreter
@@ -104,26 +115,50 @@ reco_build_command() {
     RECO_CMD+=(--container-image="$CONTAINER_IMAGE" --container-mounts="$mounts"
       --container-workdir="$RECO_ROOT")
   fi
+  local train_nodes=$NNODES split=()
+  if [ "$ROLLOUT_NODES" != 0 ]; then
+    train_nodes=$RECO_TRAIN_NODES
+    RECO_CMD+=(bash "$RECO_ROOT/slurm/role.sh" --train-nodes "$RECO_TRAIN_NODES"
+      --workers "$RECO_WORKERS" --workers-per-node "$RECO_WORKERS_PER_NODE"
+      --gpus-per-worker "$RECO_WORKER_GPUS"
+      --worker "$python" -m reco_megatron.rollout.worker
+      --address "$OUTPUT_DIR/rollout/address.json"
+      --connect-timeout "${ROLLOUT_CONNECT_TIMEOUT:-1800}" --trainer)
+    # The user's overrides come after these and win; launch_check refused the unsafe ones.
+    split=(rollout.placement=separate rollout.worker_launch=external
+      "rollout.num_workers=$((ROLLOUT_NODES * RECO_WORKERS_PER_NODE))")
+  fi
   RECO_CMD+=("$python" -m torch.distributed.run
-    --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE"
+    --nnodes "$train_nodes" --nproc-per-node "$NPROC_PER_NODE"
     --rdzv-backend c10d --rdzv-endpoint "$HEAD_NODE:$RDZV_PORT" --rdzv-id "$JOB_ID"
     --max-restarts 0
-    -m reco_megatron.train "$CONFIG" "trainer.output_dir=$OUTPUT_DIR" "$@")
+    -m reco_megatron.train "$CONFIG" "trainer.output_dir=$OUTPUT_DIR" ${split[@]+"${split[@]}"} "$@")
 }
 
 # Fail fast when nodes x processes do not fit the config's TP x PP x CP (logic in Python).
 # Exit 2 when they do not fit (or the config is invalid), 69 when no interpreter here or in
 # the container can run the check (not the project's environment).
 reco_check_layout() {
-  [ "${LAUNCH_CHECK:-1}" = 0 ] && return 0
+  if [ "${LAUNCH_CHECK:-1}" = 0 ]; then
+    [ "$ROLLOUT_NODES" = 0 ] && return 0
+    printf 'reco: error: ROLLOUT_NODES=%s needs the layout check (it sizes the rollout workers from the config): drop LAUNCH_CHECK=0\n' "$ROLLOUT_NODES" >&2
+    exit "$RECO_EXIT_CONFIG"
+  fi
   local check=(--nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE"
-    --gpus-per-node "$GPUS_PER_NODE" "$CONFIG" "$@")
+    --gpus-per-node "$GPUS_PER_NODE")
+  [ "$ROLLOUT_NODES" = 0 ] || check+=(--rollout-nodes "$ROLLOUT_NODES")
+  check+=("$CONFIG" "$@")
   local layout rc=0 quiet=()
   # With a container the job does not need a local environment: ask the check not to explain.
   [ -n "${CONTAINER_IMAGE:-}" ] && quiet=(--quiet-environment)
   layout=$(cd "$RECO_ROOT" \
     && "$RECO_PYTHON" -m reco_megatron.launch_check "${quiet[@]}" "${check[@]}") || rc=$?
   if [ "$rc" = "$RECO_EXIT_ENVIRONMENT" ] && [ -n "${CONTAINER_IMAGE:-}" ]; then
+    if [ "${DRY_RUN:-0}" = 1 ] && [ "$ROLLOUT_NODES" != 0 ]; then
+      reco_env_die "ROLLOUT_NODES=$ROLLOUT_NODES sizes the rollout workers through the layout" \
+        "check, which $RECO_PYTHON ($RECO_PYTHON_FROM) cannot run here and a dry run does not" \
+        "start $CONTAINER_IMAGE: set PYTHON=/path/to/venv/bin/python for the preview"
+    fi
     if [ "${DRY_RUN:-0}" = 1 ]; then
       reco_log "layout check skipped: $RECO_PYTHON ($RECO_PYTHON_FROM) cannot import the" \
         "project's dependencies here, and a dry run does not start $CONTAINER_IMAGE"
@@ -142,7 +177,37 @@ reco_check_layout() {
     *) reco_env_die "the layout check could not run under $RECO_PYTHON ($RECO_PYTHON_FROM)," \
          "exit $rc: is it the project's environment? Set PYTHON=/path/to/venv/bin/python" ;;
   esac
-  reco_log "layout: $layout on $NNODES node(s) x $NPROC_PER_NODE process(es)"
+  if [ "$ROLLOUT_NODES" = 0 ]; then
+    reco_log "layout: $layout on $NNODES node(s) x $NPROC_PER_NODE process(es)"
+    return 0
+  fi
+  reco_parse_split "$layout"
+  reco_log "layout: ${layout%% TRAIN_NODES=*} on $RECO_TRAIN_NODES training node(s) x" \
+    "$NPROC_PER_NODE process(es)"
+  local where="of $RECO_WORKER_GPUS GPU(s)"
+  [ "$RECO_WORKER_GPUS" = 0 ] && where="on the CPU"
+  reco_log "split: $RECO_TRAIN_NODES training node(s) x $NPROC_PER_NODE process(es)," \
+    "$ROLLOUT_NODES rollout node(s) x $RECO_WORKERS_PER_NODE worker(s) $where" \
+    "($RECO_WORKERS worker(s), ids node-major)"
+}
+
+# RECO_TRAIN_NODES, RECO_WORKERS, RECO_WORKERS_PER_NODE, RECO_WORKER_GPUS from the check's
+# success line (`... TRAIN_NODES=2 ROLLOUT_NODES=2 WORKERS=8 WORKERS_PER_NODE=4 WORKER_GPUS=2`).
+reco_parse_split() {
+  local token
+  RECO_TRAIN_NODES='' RECO_WORKERS='' RECO_WORKERS_PER_NODE='' RECO_WORKER_GPUS=''
+  for token in $1; do
+    case $token in
+      TRAIN_NODES=*) RECO_TRAIN_NODES=${token#*=} ;;
+      WORKERS=*) RECO_WORKERS=${token#*=} ;;
+      WORKERS_PER_NODE=*) RECO_WORKERS_PER_NODE=${token#*=} ;;
+      WORKER_GPUS=*) RECO_WORKER_GPUS=${token#*=} ;;
+    esac
+  done
+  if [ -z "$RECO_TRAIN_NODES" ] || [ -z "$RECO_WORKERS" ] || [ -z "$RECO_WORKERS_PER_NODE" ] \
+    || [ -z "$RECO_WORKER_GPUS" ]; then
+    reco_die "the layout check did not size the split: '$1'"
+  fi
 }
 
 # Forward USR1 (the --signal warning before the time limit) and TERM (preemption) to the
@@ -161,6 +226,14 @@ reco_launch() {
       "$RECO_ROOT" >&2
     exit "$RECO_EXIT_CONFIG"
   fi
+  ROLLOUT_NODES=${ROLLOUT_NODES:-0}
+  case $ROLLOUT_NODES in
+    ''|*[!0-9]*)
+      printf 'reco: error: ROLLOUT_NODES=%s: give a whole number of rollout nodes (0: colocated)\n' \
+        "$ROLLOUT_NODES" >&2
+      exit "$RECO_EXIT_CONFIG" ;;
+  esac
+  ROLLOUT_NODES=$((10#$ROLLOUT_NODES))
   reco_find_python
   reco_allocation
   OUTPUT_DIR=${OUTPUT_DIR:-$RECO_ROOT/runs/${SLURM_JOB_NAME:-reco}}

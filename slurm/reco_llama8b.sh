@@ -5,6 +5,8 @@
 #   sbatch --nodes 4 slurm/reco_llama8b.sh trainer.max_steps=500 # 4 nodes, data parallel 32
 #   CONTAINER_IMAGE=nvcr.io#nvidia/pytorch:25.04-py3 sbatch slurm/reco_llama8b.sh
 #   DRY_RUN=1 bash slurm/reco_llama8b.sh                         # print the srun/torchrun line
+#   ROLLOUT_NODES=2 sbatch --nodes 4 slurm/reco_llama8b.sh loss.tis_cap=2.0  # 2 train, 2 generate
+#   SLURM_NNODES=4 ROLLOUT_NODES=2 DRY_RUN=1 bash slurm/reco_llama8b.sh loss.tis_cap=2.0
 #
 # Edit checkpoint.init_hf and data.* in the config (or pass them as overrides). Submit from the
 # repository root. Requeued after preemption, it reuses OUTPUT_DIR (per job name) and the

@@ -184,3 +184,59 @@ def test_help_keeps_the_example_lines(capsys) -> None:
         main(["--help"])
     out = capsys.readouterr().out
     assert "\n    python -m launch.experiments --executor local --nproc-per-node 2 \\\n" in out
+
+
+@needs_nemo_run
+def test_slurm_split_runs_the_role_dispatch(nemorun_home: Path) -> None:
+    from launch.executors import slurm_executor
+    from launch.experiments import ablation_experiment
+
+    ex = slurm_executor(account="a", nodes=4, job_dir=str(nemorun_home / "jobs"), packager="none")
+    with ablation_experiment(
+        ex,
+        config="examples/llama3.1-8b-instruct.yaml",
+        overrides=["loss.tis_cap=2.0"],
+        variants=["reco"],
+        rollout_nodes=2,
+    ) as exp:
+        exp.dryrun(log=False, delete_exp_dir=False)
+        (sbatch,) = glob.glob(os.path.join(exp._exp_dir, "**", "*_sbatch.sh"), recursive=True)
+    text = Path(sbatch).read_text()
+    assert "#SBATCH --nodes=4" in text and "#SBATCH --ntasks-per-node=1" in text
+    (srun,) = [line for line in text.splitlines() if "slurm/role.sh" in line]
+    assert (
+        "bash slurm/role.sh --train-nodes 2 --workers 8 --workers-per-node 4 "
+        "--gpus-per-worker 2 --worker python -m reco_megatron.rollout.worker "
+        "--address runs/ablation/reco/rollout/address.json"
+    ) in srun
+    assert "--trainer python -m torch.distributed.run --nnodes 2 --nproc-per-node 8" in srun
+    assert "--rdzv-endpoint $head_node_ip:29500" in srun  # the sbatch script sets it
+    assert srun.endswith(
+        "rollout.placement=separate rollout.worker_launch=external rollout.num_workers=8 "
+        "loss.objective=reco loss.response_weight=sequence loss.token_ratio=bernoulli "
+        "loss.tis_cap=2.0 trainer.output_dir=runs/ablation/reco"
+    )
+
+
+@needs_nemo_run
+def test_an_impossible_split_is_refused(nemorun_home: Path, capsys) -> None:
+    from launch.executors import slurm_executor
+    from launch.experiments import ablation_experiment
+
+    ex = slurm_executor(account="a", nodes=2, job_dir=str(nemorun_home / "jobs"), packager="none")
+    config = "examples/llama3.1-8b-instruct.yaml"
+    argv = [
+        *("--executor", "slurm", "--account", "a", "--dryrun", "--nodes", "4"),
+        *("--rollout-nodes", "2", "--config", config),  # K = 1 stale groups need loss.tis_cap
+    ]
+    code, out, err = _experiments_main(argv, capsys)
+    assert code == 2 and out == ""
+    (line,) = err.strip().splitlines()
+    assert line.startswith("launch.experiments: cannot launch: ROLLOUT_NODES=2: ")
+    assert "set loss.tis_cap" in line
+    assert not (nemorun_home / "nemorun").exists()
+    with (
+        pytest.raises(ValueError, match="leaves no node to train on"),
+        ablation_experiment(ex, config=config, variants=["reco"], rollout_nodes=2),
+    ):
+        pass

@@ -26,7 +26,11 @@ def _fake_allocation(tmp_path: Path, nodes: list[str]) -> dict[str, str]:
         f'#!/bin/sh\n[ "$1 $2" = "show hostnames" ] || exit 3\nprintf "%s\\n" "{names}"\n'
     )
     scontrol.chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "ROLLOUT_")) and k != "LAUNCH_CHECK"
+    }
     env.update(
         PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}",
         SLURM_JOB_NODELIST=f"gpu[001-{len(nodes):03d}]",
@@ -136,7 +140,7 @@ def test_tiny_dry_run_cpu(tmp_path: Path) -> None:
 
 def test_sbatch_headers() -> None:
     for script in SCRIPTS:
-        if script.name == "common.sh":
+        if script.name in ("common.sh", "role.sh"):  # sourced / run by srun: not submitted
             continue
         text = script.read_text()
         for directive in (
@@ -203,12 +207,16 @@ def test_cluster_test_leaves_the_system_alone_without_opt_in(tmp_path: Path) -> 
 
 
 # --------------------------------------------------------------------- documented previews
-_PREVIEW = re.compile(r"^(?:#\s+|\s*)((?:[A-Z_]+=\S+ )*DRY_RUN=1 (?:[A-Z_]+=\S+ )*bash slurm/\S+)")
+_PREVIEW = re.compile(
+    r"^(?:#\s+|\s*)((?:[A-Z_]+=\S+ )*DRY_RUN=1 (?:[A-Z_]+=\S+ )*bash slurm/\S+"
+    r"(?: [a-z_]+(?:\.[a-z_]+)+=[^\s`]+)*)"  # trailing trainer overrides, as written
+)
 
 
 def documented_previews() -> list[str]:
-    """Every ``... DRY_RUN=1 ... bash slurm/X`` command line in the README, docs/ and the
-    scripts' headers, as written (trailing comments and ``...`` dropped)."""
+    """Every ``... DRY_RUN=1 ... bash slurm/X [section.key=value ...]`` command line in the
+    README, docs/ and the scripts' headers, as written (trailing comments and ``...``
+    dropped)."""
     found = []
     for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *SCRIPTS]:
         for line in path.read_text().splitlines():
@@ -239,7 +247,11 @@ def _fresh_clone(tmp_path: Path, *, venv: bool) -> tuple[Path, dict[str, str]]:
         fake.write_text(f'#!/bin/sh\nexec {sys.executable} -S -E "$@"\n')
         fake.chmod(0o755)
     drop = ("PYTHON", "PYTHONPATH", "VIRTUAL_ENV", "DRY_RUN", "CONFIG", "GPUS_PER_NODE")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k not in drop}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "ROLLOUT_")) and k not in drop
+    }
     env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
     return root, env
 
