@@ -13,8 +13,9 @@ Run::
     python benchmarks/readme_numbers.py --render   # only re-render the README from the JSON
 
 The run is pinned to what does not depend on the CPU (``PORTABLE_CPU_ENV``: torch's AVX2
-kernels, MKL's AVX2 reproducibility mode, oneDNN capped at AVX2, two threads), so it gives the
-same bits on any x86-64 CPU with AVX2, with or without AVX-512, and ``--check`` (CI) compares
+kernels, MKL's vendor-independent reproducibility mode, oneDNN capped at AVX2, two threads;
+reco_megatron/utils/cpu_env.py says why each), so it gives the same bits on any x86-64 CPU
+with AVX2, Intel or AMD, with or without AVX-512, and ``--check`` (CI) compares
 the per-step series bit for bit: it fails when the code or the stack no longer produces the
 README's numbers, not when the machine differs. The cheap guard,
 ``tests/test_readme_numbers.py``, checks on every test run that the README block is the
@@ -52,14 +53,10 @@ _PHASES = ("time_rollout", "time_reward", "time_old_logprob", "time_train", "tim
 SERIES = ("reward_mean", "unique_frac", "loss", "grad_norm")
 """Per-step metrics stored with the summary; ``--check`` compares them bit for bit."""
 PORTABLE_CPU_ENV = {**PORTABLE_CPU_KERNELS, "OMP_NUM_THREADS": "2"}
-"""What the README run pins, measured on the tiny default (first RL step's loss after 60 SFT
-steps): torch picks its CPU kernels by the CPU's vector extensions (AVX-512 -0.01335904, AVX2
--0.01336349, none -0.01333455), and 60 RL steps amplify such a difference into other rewards;
-``ATEN_CPU_CAPABILITY=avx2`` uses the AVX2 kernels on any CPU that has AVX2. MKL (torch's BLAS)
-also dispatches by CPU: ``MKL_CBWR=AVX2`` is its reproducibility mode (it changed the rollout
-log-prob mismatch metric here, nothing else). oneDNN and the thread count (1, 2 and 4 threads
-gave the same bits) did not change a bit on this run; they are pinned so a larger model or
-another machine cannot bring them in."""
+"""What the README run pins: :data:`~reco_megatron.utils.cpu_env.PORTABLE_CPU_KERNELS` (ATen
+and oneDNN at AVX2, MKL in its vendor-independent reproducibility mode) and two threads (1, 2
+and 4 threads gave the same bits; pinned so a larger model or another machine cannot bring
+them in)."""
 
 
 def resolved_config(output_dir: str = "runs/tiny_cpu") -> dict[str, Any]:
@@ -216,8 +213,9 @@ def render(summary: dict[str, Any]) -> str:
         f"{s['reward_last']:.3f} (last {WINDOW}), while the share of distinct responses per "
         f"group {distinct} from {s['distinct_first']:.3f} to {s['distinct_last']:.3f}{sharpens}. "
         "The numbers are portable: the script runs command 1 with torch's AVX2 kernels and "
-        "MKL's reproducibility mode (`ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=AVX2`), which give "
-        "these metrics bit for bit on any x86-64 CPU with AVX2, with or without AVX-512, and "
+        "MKL's reproducibility mode (`ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=COMPATIBLE`), which "
+        "give these metrics bit for bit on any x86-64 CPU with AVX2 (measured on an Intel "
+        "Xeon; MKL documents the mode for Intel and AMD alike) and "
         "the same package versions; command 1 as written uses your CPU's best kernels and "
         "other versions round differently, which 60 RL steps amplify into other numbers "
         "(prefix it with those two variables to see these). Wall times vary with the load."

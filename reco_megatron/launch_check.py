@@ -234,19 +234,8 @@ def check_split(
             "the workers on the rollout nodes (external); drop the override, or set "
             "ROLLOUT_NODES=0 and let the trainer spawn them"
         )
-    tp = probe.parallel.tensor_model_parallel_size
-    if gpus_per_node == 0:
-        gpus, per_node = 0, 1
-    else:
-        gpus = tp if roll.engine == "vllm" else 1
-        if gpus_per_node % gpus:
-            raise ValueError(
-                f"GPUS_PER_NODE={gpus_per_node} is not a whole number of rollout workers of "
-                f"{gpus} GPUs (rollout.engine=vllm runs at the trainer's "
-                f"parallel.tensor_model_parallel_size={tp}): use a TP that divides "
-                f"{gpus_per_node}, or nodes whose GPU count it divides"
-            )
-        per_node = gpus_per_node // gpus
+    # a separate worker is one engine on one GPU (a vLLM worker runs TP 1, docs/rollout.md)
+    gpus, per_node = (0, 1) if gpus_per_node == 0 else (1, gpus_per_node)
     slots = k * per_node
     split = RolloutSplit(
         train_nodes=nnodes - k,

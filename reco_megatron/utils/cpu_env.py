@@ -4,16 +4,20 @@ torch picks its CPU kernels by the CPU's vector extensions (AVX-512, AVX2, none)
 MKL (torch's BLAS) and oneDNN; the kernels round differently, and a few hundred training
 steps amplify that into other samples and rewards. Measured on the tiny default (the first RL
 step's loss after 60 SFT steps): AVX-512 -0.01335904, AVX2 -0.01336349, none -0.01333455.
-:data:`PORTABLE_CPU_KERNELS` pins all three to AVX2 (``MKL_CBWR`` is MKL's reproducibility
-mode), which every x86-64 CPU of the last decade has; ``benchmarks/readme_numbers.py`` and the
-coverage experiments run under it, so a run started on one machine continues on another.
+MKL also takes other paths on Intel and AMD processors: with ``MKL_CBWR=AVX2`` an Intel Xeon
+and an AMD EPYC gave the README run different first-step rewards (0.141 and 0.156), so MKL is
+pinned to ``COMPATIBLE``, its conditional-numerical-reproducibility mode for "Intel and
+Intel-compatible" processors alike (SSE2 kernels: slower, and the same everywhere).
+:data:`PORTABLE_CPU_KERNELS` pins ATen and oneDNN to AVX2, which every x86-64 CPU of the last
+decade has, and MKL to that mode; ``benchmarks/readme_numbers.py`` and the coverage
+experiments run under it, so a run started on one machine continues on another.
 """
 
 from __future__ import annotations
 
 PORTABLE_CPU_KERNELS: dict[str, str] = {
     "ATEN_CPU_CAPABILITY": "avx2",
-    "MKL_CBWR": "AVX2",
+    "MKL_CBWR": "COMPATIBLE",
     "ONEDNN_MAX_CPU_ISA": "AVX2",
 }
 """Variables to set in a process's environment before torch starts (they override any

@@ -141,7 +141,7 @@ def test_dryrun_impossible_layout_exits_2_and_creates_nothing(nemorun_home: Path
         *(
             "--config",
             "examples/llama3.1-8b-instruct.yaml",
-            "parallel.tensor_model_parallel_size=3",
+            "parallel.pipeline_model_parallel_size=3",  # TP 2 x PP 3 = 6 does not divide 8
         ),
     ]
     code, out, err = _experiments_main(argv, capsys)
@@ -205,14 +205,14 @@ def test_slurm_split_runs_the_role_dispatch(nemorun_home: Path) -> None:
     assert "#SBATCH --nodes=4" in text and "#SBATCH --ntasks-per-node=1" in text
     (srun,) = [line for line in text.splitlines() if "slurm/role.sh" in line]
     assert (
-        "bash slurm/role.sh --train-nodes 2 --workers 8 --workers-per-node 4 "
-        "--gpus-per-worker 2 --worker python -m reco_megatron.rollout.worker "
+        "bash slurm/role.sh --train-nodes 2 --workers 16 --workers-per-node 8 "
+        "--gpus-per-worker 1 --worker python -m reco_megatron.rollout.worker "
         "--address runs/ablation/reco/rollout/address.json"
     ) in srun
     assert "--trainer python -m torch.distributed.run --nnodes 2 --nproc-per-node 8" in srun
     assert "--rdzv-endpoint $head_node_ip:29500" in srun  # the sbatch script sets it
     assert srun.endswith(
-        "rollout.placement=separate rollout.worker_launch=external rollout.num_workers=8 "
+        "rollout.placement=separate rollout.worker_launch=external rollout.num_workers=16 "
         "loss.objective=reco loss.response_weight=sequence loss.token_ratio=bernoulli "
         "loss.tis_cap=2.0 trainer.output_dir=runs/ablation/reco"
     )

@@ -42,8 +42,8 @@ def test_dry_run_previews_a_two_plus_two_split(tmp_path: Path) -> None:
     assert cmd[:5] == ["srun", "--nodes=4", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "bash"]
     role = _role_args(cmd)
     assert role[: role.index("--worker")] == [
-        *("--train-nodes", "2", "--workers", "8"),
-        *("--workers-per-node", "4", "--gpus-per-worker", "2"),
+        *("--train-nodes", "2", "--workers", "16"),
+        *("--workers-per-node", "8", "--gpus-per-worker", "1"),  # a worker is one GPU
     ]
     worker = role[role.index("--worker") + 1 : role.index("--trainer")]
     assert worker[1:] == [
@@ -59,13 +59,13 @@ def test_dry_run_previews_a_two_plus_two_split(tmp_path: Path) -> None:
         "trainer.output_dir=/lustre/runs/split",
         "rollout.placement=separate",
         "rollout.worker_launch=external",
-        "rollout.num_workers=8",
+        "rollout.num_workers=16",
         TIS,  # the user's overrides come last: they win where launch_check let them
     ]
     assert "layout: TP=2 PP=1 CP=1 DP=8 WORLD=16 on 2 training node(s)" in err
     assert (
-        "split: 2 training node(s) x 8 process(es), 2 rollout node(s) x 4 worker(s) of "
-        "2 GPU(s) (8 worker(s)"
+        "split: 2 training node(s) x 8 process(es), 2 rollout node(s) x 8 worker(s) of "
+        "1 GPU(s) (16 worker(s)"
     ) in err
 
 
@@ -121,17 +121,17 @@ def test_role_dispatch_per_node(tmp_path: Path) -> None:
         assert shlex.split(res.stdout) == _trainer(cmd)
     res = _role(2, args, DRY_RUN="1")
     assert res.returncode == 0, res.stderr
-    assert _workers(res.stdout) == [("0,1", "0"), ("2,3", "1"), ("4,5", "2"), ("6,7", "3")]
+    assert _workers(res.stdout) == [(str(g), str(g)) for g in range(8)]  # a GPU each
     # The GPUs Slurm gave the task, sliced in order; ids go on node-major.
     res = _role(3, args, DRY_RUN="1", CUDA_VISIBLE_DEVICES="8,9,10,11,12,13,14,15")
     assert res.returncode == 0, res.stderr
-    assert _workers(res.stdout) == [("8,9", "4"), ("10,11", "5"), ("12,13", "6"), ("14,15", "7")]
+    assert _workers(res.stdout) == [(str(g), str(g)) for g in range(8, 16)]
     assert (
         shlex.split(res.stdout.splitlines()[0])[1:-2]
         == cmd[cmd.index("--worker") + 1 : cmd.index("--trainer")]
     )
     few = _role(3, args, DRY_RUN="1", CUDA_VISIBLE_DEVICES="0,1")
-    assert few.returncode == 2 and "4 worker(s) need 2 each" in few.stderr
+    assert few.returncode == 2 and "8 worker(s) need 1 each" in few.stderr
 
 
 def test_role_dispatch_cpu(tmp_path: Path) -> None:
@@ -179,8 +179,8 @@ def test_launch_check_names_the_split(capsys) -> None:
     code, out, err = _check(capsys, *GPU4, "--rollout-nodes", "2", LLAMA8B, TIS)
     assert code == 0, err
     assert out == (
-        "TP=2 PP=1 CP=1 DP=8 WORLD=16 TRAIN_NODES=2 ROLLOUT_NODES=2 WORKERS=8 "
-        "WORKERS_PER_NODE=4 WORKER_GPUS=2\n"
+        "TP=2 PP=1 CP=1 DP=8 WORLD=16 TRAIN_NODES=2 ROLLOUT_NODES=2 WORKERS=16 "
+        "WORKERS_PER_NODE=8 WORKER_GPUS=1\n"
     )
 
 
@@ -189,13 +189,6 @@ def test_launch_check_names_the_split(capsys) -> None:
     [
         ((*GPU4, "--rollout-nodes", "4", LLAMA8B, TIS), "leaves no node to train on"),
         ((*GPU4, "--rollout-nodes", "-1", LLAMA8B), "ROLLOUT_NODES=-1"),
-        (  # workers of TP 4 GPUs on nodes of 6 GPUs
-            (
-                *("--nnodes", "4", "--nproc-per-node", "4", "--gpus-per-node", "6"),
-                *("--rollout-nodes", "2", LLAMA8B, TIS, "parallel.tensor_model_parallel_size=4"),
-            ),
-            "GPUS_PER_NODE=6 is not a whole number of rollout workers of 4 GPUs",
-        ),
         ((*GPU4, "--rollout-nodes", "2", LLAMA8B), "set loss.tis_cap"),  # TrainConfig speaks
         ((*GPU4, "--rollout-nodes", "2", LLAMA8B, TIS, "rollout.engine=megatron"), "megatron"),
         (
@@ -206,9 +199,9 @@ def test_launch_check_names_the_split(capsys) -> None:
             (*GPU4, "--rollout-nodes", "2", LLAMA8B, TIS, "rollout.worker_launch=spawn"),
             "rollout.worker_launch=spawn with ROLLOUT_NODES=2",
         ),
-        (  # 3 workers fill one node of 4 slots: the second rollout node would idle
+        (  # 3 workers fill part of one node of 8 slots: the second rollout node would idle
             (*GPU4, "--rollout-nodes", "2", LLAMA8B, TIS, "rollout.num_workers=3"),
-            "give 5..8 workers",
+            "give 9..16 workers",
         ),
     ],
 )
@@ -220,9 +213,9 @@ def test_launch_check_refuses_an_impossible_split(capsys, argv: tuple, needle: s
 
 
 def test_a_user_worker_count_that_fits_wins(capsys) -> None:
-    argv = (*GPU4, "--rollout-nodes", "2", LLAMA8B, TIS, "rollout.num_workers=6")
+    argv = (*GPU4, "--rollout-nodes", "2", LLAMA8B, TIS, "rollout.num_workers=12")
     code, out, err = _check(capsys, *argv)
-    assert code == 0 and " WORKERS=6 " in out, err
+    assert code == 0 and " WORKERS=12 " in out, err
 
 
 def test_the_scripts_refuse_a_split_they_cannot_size(tmp_path: Path) -> None:
