@@ -30,6 +30,11 @@ import pytest
 from tests.tiny_overrides import TINY_RUN
 
 pytestmark = pytest.mark.slow
+MAIN_STACK_ONLY = pytest.mark.skipif(
+    sys.version_info < (3, 12),
+    reason="main stack only (CI time): the workers and the push are plain torch on both stacks; "
+    "the K = 0 equalities run on both",
+)
 ROOT = Path(__file__).resolve().parents[2]
 BASE = [
     *TINY_RUN,
@@ -133,6 +138,7 @@ def test_max_staleness_0_equals_colocated_bit_for_bit(colocated: Path, tmp_path:
     assert all(want[k].equal(have[k]) for k in want)
 
 
+@MAIN_STACK_ONLY
 def test_max_staleness_1_overlaps_and_trains_to_the_end(colocated: Path, tmp_path: Path) -> None:
     out = tmp_path / "stale"
     extra = ("trainer.max_steps=4", *SEPARATE, "rollout.max_staleness=1", "loss.tis_cap=2.0")
@@ -148,6 +154,7 @@ def test_max_staleness_1_overlaps_and_trains_to_the_end(colocated: Path, tmp_pat
     assert any(a["grad_norm"] != b["grad_norm"] for a, b in zip(ref, rows, strict=True))
 
 
+@MAIN_STACK_ONLY
 def test_a_killed_worker_stops_resumably_and_the_rerun_resumes(tmp_path: Path) -> None:
     out = tmp_path / "run"
     extra = ("trainer.max_steps=8", *SEPARATE, "rollout.max_staleness=1", "loss.tis_cap=2.0")
@@ -180,6 +187,7 @@ def test_a_killed_worker_stops_resumably_and_the_rerun_resumes(tmp_path: Path) -
     assert [r["step"] for r in _rows(out)] == list(range(1, 9))
 
 
+@MAIN_STACK_ONLY
 def test_sigterm_saves_and_a_killed_trainer_takes_its_worker_along(tmp_path: Path) -> None:
     out = tmp_path / "run"
     extra = ("trainer.max_steps=20", *SEPARATE, "rollout.max_staleness=1", "loss.tis_cap=2.0")
@@ -206,6 +214,7 @@ def test_sigterm_saves_and_a_killed_trainer_takes_its_worker_along(tmp_path: Pat
         assert gone < 15
 
 
+@MAIN_STACK_ONLY
 def test_worker_failure_continue_trains_on_after_a_hang(tmp_path: Path) -> None:
     out = tmp_path / "run"
     extra = (
