@@ -146,6 +146,24 @@ def global_row(
     return row
 
 
+WALL_CLOCK_PREFIXES = ("time_",)
+"""Columns that measure wall-clock time: ``time_*`` (seconds per phase) and the ones below."""
+WALL_CLOCK_COLUMNS = (
+    "tokens_per_s",
+    "weight_push_s",
+    "trainer_wait_s",
+    "worker_idle_s",
+    "worker_generate_s",
+)
+"""Wall-clock columns without the prefix: throughput and the separate placement's waits.
+Two runs of the same seeds agree on every other column (resume, faults, layouts compare so)."""
+
+
+def is_wall_clock(column: str) -> bool:
+    """Whether a ``metrics.jsonl`` column measures wall-clock time (varies run to run)."""
+    return column.startswith(WALL_CLOCK_PREFIXES) or column in WALL_CLOCK_COLUMNS
+
+
 MOE_PREP = ("routing_mismatch", "routing_mismatch_layer", "logprob_mismatch_free")
 """Old-policy pass columns of mixture-of-experts runs with routing replay/record."""
 MOE_STEPS = ("moe_load_imbalance", "moe_dropped_frac", "moe_aux_loss")

@@ -42,6 +42,7 @@ import pytest
 from reco_megatron.config.loader import read_yaml
 from reco_megatron.testing import run_distributed
 from reco_megatron.train import main
+from reco_megatron.trainer.step_metrics import is_wall_clock
 from tests.tiny_overrides import TINY_RUN
 
 pytestmark = [pytest.mark.layouts, pytest.mark.dist, pytest.mark.slow]
@@ -124,7 +125,7 @@ def _train(rank: int, world_size: int, out: str, overrides: list[str]) -> None:
 
 def _rows(out: Path) -> list[dict]:
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    return [{k: v for k, v in r.items() if not k.startswith("time_")} for r in rows]
+    return [{k: v for k, v in r.items() if not is_wall_clock(k)} for r in rows]
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

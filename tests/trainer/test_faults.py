@@ -27,6 +27,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from reco_megatron.trainer.step_metrics import is_wall_clock
 from tests.tiny_overrides import TINY_RUN
 from tests.tmpfs import fill, small_tmpfs
 
@@ -62,11 +63,13 @@ def _run(out: Path, *extra: str) -> subprocess.CompletedProcess:
     )
 
 
-def _rows(path: Path, drop: str = "time_") -> list[dict]:
+def _rows(path: Path, drop: str | None = None) -> list[dict]:
+    """The rows without wall-clock columns (``drop``: without the columns starting so)."""
     if not path.exists():
         return []
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [{k: v for k, v in r.items() if not k.startswith(drop)} for r in rows]
+    keep = (lambda k: not k.startswith(drop)) if drop else (lambda k: not is_wall_clock(k))
+    return [{k: v for k, v in r.items() if keep(k)} for r in rows]
 
 
 def _wait_for(proc: subprocess.Popen, ready, what: str) -> None:

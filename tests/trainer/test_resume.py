@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from reco_megatron.trainer.step_metrics import is_wall_clock
 from tests.trainer.test_loop import TINY
 
 pytestmark = pytest.mark.slow
@@ -42,7 +43,7 @@ def _rows(out: Path) -> list[dict]:
     if not path.exists():
         return []
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [{k: v for k, v in r.items() if not k.startswith("time_")} for r in rows]
+    return [{k: v for k, v in r.items() if not is_wall_clock(k)} for r in rows]
 
 
 def test_sigterm_then_resume_equals_uninterrupted(tmp_path: Path) -> None:

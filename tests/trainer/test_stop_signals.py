@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from reco_megatron.trainer.step_metrics import is_wall_clock
 from reco_megatron.trainer.stop_signals import RunAborted, StopSignals
 from tests.tiny_overrides import TINY_RUN
 
@@ -111,7 +112,7 @@ def _latest(out: Path) -> str:
 
 def _rows(out: Path) -> list[dict]:
     lines = (out / "metrics.jsonl").read_text().splitlines()
-    return [{k: v for k, v in json.loads(x).items() if not k.startswith("time_")} for x in lines]
+    return [{k: v for k, v in json.loads(x).items() if not is_wall_clock(k)} for x in lines]
 
 
 @pytest.mark.slow
