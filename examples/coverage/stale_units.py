@@ -13,13 +13,9 @@ experiment continues across sessions like the long one (:mod:`long_units`).
 
 from __future__ import annotations
 
-_GRPO = ["loss.objective=ppo_clip", "loss.response_weight=none", "loss.token_ratio=importance"]
-_RECO = [
-    "loss.objective=reco",
-    "loss.response_weight=sequence",
-    "loss.token_ratio=bernoulli",
-    "loss.c_trust=true",
-]
+from long_units import METHODS_LONG
+
+_GRPO, _RECO = METHODS_LONG["grpo"], METHODS_LONG["reco"]  # GRPO and ReCo as shipped
 _TIS = ["loss.tis_cap=2.0"]
 _STALE = ["rollout.placement=separate", "rollout.max_staleness=2"]
 

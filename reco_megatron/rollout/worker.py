@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import datetime
 import os
 import queue
 import signal
@@ -86,7 +87,7 @@ class Worker:
             setup["store_host"],
             int(setup["store_port"]),
             is_master=False,
-            timeout=_seconds(self.timeout),
+            timeout=datetime.timedelta(seconds=self.timeout),
         )
         self.group = weight_group(
             store,
@@ -210,12 +211,6 @@ def _own_world() -> None:
     if torch.cuda.is_available():
         torch.cuda.set_device(0)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-
-
-def _seconds(s: float):
-    import datetime
-
-    return datetime.timedelta(seconds=s)
 
 
 def _die_with_parent() -> None:

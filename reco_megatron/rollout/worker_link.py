@@ -23,6 +23,7 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection
@@ -86,12 +87,15 @@ class Link:
         name: str,
         inbox: queue.Queue[dict[str, Any]] | None = None,
         tag: int | None = None,
+        on_beat: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         """``inbox``: a queue shared with other links (messages then carry ``"_from": tag``);
-        None: a queue of its own."""
+        None: a queue of its own. ``on_beat`` is called from the reader thread with each
+        ping / heartbeat (they are not queued)."""
         self.conn = conn
         self.name = name
         self.tag = tag
+        self.on_beat = on_beat or (lambda msg: None)
         self.inbox: queue.Queue[dict[str, Any]] = inbox if inbox is not None else queue.Queue()
         self.last_heard = time.monotonic()
         self.closed: str | None = None  # why the peer is gone, once it is
@@ -118,9 +122,6 @@ class Link:
                 continue
             msg["_from"] = self.tag
             self.inbox.put(msg)
-
-    def on_beat(self, msg: dict[str, Any]) -> None:
-        """Called from the reader thread for each ping / heartbeat (override to record)."""
 
     def send(self, msg: dict[str, Any]) -> None:
         if self.closed:

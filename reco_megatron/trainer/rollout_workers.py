@@ -50,6 +50,7 @@ class WorkerLost(RuntimeError):
     def __init__(self, worker: int, why: str) -> None:
         super().__init__(f"rollout worker {worker} {why}")
         self.worker = worker
+        self.why = why
 
 
 @dataclass
@@ -148,8 +149,7 @@ class WorkerPool:
                 logger.warning("rollout: refused worker id %r (expected one of %s)", wid, want)
                 conn.close()
                 continue
-            link = Link(conn, f"rollout worker {wid}", inbox=self.events, tag=wid)
-            link.on_beat = self._beat_recorder(wid)  # type: ignore[method-assign]
+            link = Link(conn, f"rollout worker {wid}", self.events, wid, self._beat_recorder(wid))
             self.workers[wid] = WorkerHandle(
                 wid,
                 link.start(),

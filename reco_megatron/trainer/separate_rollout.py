@@ -72,7 +72,6 @@ class SeparateRollout:
         self.next_request = 0
         self.version = -1
         self.dropped = 0
-        self.resumed_in_flight: dict[str, Any] | None = None
         self.failure: WorkerLost | None = None  # raised at the next step, on every rank
         self.pool = WorkerPool(r, run_dir, run_id) if layout.rank == 0 else None
         plan = PushPlan(
@@ -105,11 +104,11 @@ class SeparateRollout:
                     raise self.failure
                 payload[0] = self._collect(step + 1, drawn)
             except WorkerLost as exc:
-                payload[0] = (exc.worker, str(exc))
+                payload[0] = (exc.worker, exc.why)
         dist.broadcast_object_list(payload, src=0)
         got = payload[0]
         if isinstance(got[0], int):  # (worker, message): every rank stops the same way
-            raise WorkerLost(got[0], got[1].removeprefix(f"rollout worker {got[0]} "))
+            raise WorkerLost(got[0], got[1])
         groups, metrics = got
         mine = self.prompts.mine(len(drawn.indices), self.layout.dp_rank, self.layout.dp_size)
         prompt_ids, golds = self.prompts.encode(drawn.indices, mine)
@@ -149,7 +148,6 @@ class SeparateRollout:
             state["in_flight_groups"],
             steps,
         )
-        self.resumed_in_flight = state
 
     @property
     def engine(self) -> RolloutEngine:
@@ -222,7 +220,7 @@ class SeparateRollout:
         try:
             self.pool.send(wid, msg)
         except WorkerLost as exc:
-            self._lose(wid, str(exc).removeprefix(f"rollout worker {wid} "))
+            self._lose(wid, exc.why)
 
     def _reassign(self, dead: int) -> None:
         """Send the dead worker's unanswered requests to the live ones (rank 0)."""
@@ -245,7 +243,7 @@ class SeparateRollout:
             try:
                 wid, msg = self.pool.next_event(f"the groups of step {step}")
             except WorkerLost as exc:
-                self._lose(exc.worker, str(exc).removeprefix(f"rollout worker {exc.worker} "))
+                self._lose(exc.worker, exc.why)
                 if self.failure is not None:
                     raise self.failure from None
                 continue

@@ -15,6 +15,7 @@ each version they received; their results carry the version that generated them.
 
 from __future__ import annotations
 
+import datetime
 import time
 from collections.abc import Iterator
 from typing import Any, Protocol
@@ -96,7 +97,11 @@ class WeightPusher:
             on_gpu = policy.on_gpu and all(h.cuda for h in workers.values())
             backend = "nccl" if on_gpu else "gloo"
             store = dist.TCPStore(
-                "0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=_td(timeout)
+                "0.0.0.0",
+                0,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=timeout),
             )
             shared[0] = (this_host(), store.port, sorted(workers), backend)
         dist.broadcast_object_list(shared, src=0)
@@ -131,7 +136,8 @@ class WeightPusher:
         self.groups: dict[int, dist.ProcessGroup] = {}
         if role.sender is not None:
             if store is None:
-                store = dist.TCPStore(host, port, is_master=False, timeout=_td(timeout))
+                wait = datetime.timedelta(seconds=timeout)
+                store = dist.TCPStore(host, port, is_master=False, timeout=wait)
             for wid in self.worker_ids:
                 self.groups[wid] = weight_group(
                     store,
@@ -189,9 +195,3 @@ class WeightPusher:
         lost = [w for i, w in enumerate(self.worker_ids) if failed[i] > 0 and w in self.alive]
         self.alive = [w for w in self.alive if w not in lost]
         return time.perf_counter() - start, lost
-
-
-def _td(seconds: float):
-    import datetime
-
-    return datetime.timedelta(seconds=seconds)
