@@ -51,6 +51,42 @@ def test_stored_run_used_the_current_default() -> None:
     assert stored["tokenizer_sha256"] == script.tokenizer_sha256(), RERUN
 
 
+def test_other_vendors_runs_are_of_the_current_default() -> None:
+    """Each stored run of another CPU vendor (what ``--check`` compares a machine of that
+    vendor with) is of the same configuration, tokenizer and stack as the README's run, and of
+    another vendor than it."""
+    script = _script()
+    stored = json.loads(script.SUMMARY.read_text())
+    assert stored["cpu"]["vendor"] in ("GenuineIntel", "AuthenticAMD")
+    for other in script.vendor_runs():
+        name = f"readme_run_{other['cpu']['vendor']}.json"
+        assert other["cpu"]["vendor"] != stored["cpu"]["vendor"], name
+        assert (script.SUMMARY.parent / name).exists(), name
+        assert other["config"] == stored["config"], f"{name} is stale: rerun --vendor"
+        assert other["tokenizer_sha256"] == stored["tokenizer_sha256"], name
+        assert other["stack"] == stored["stack"], name
+        for key, value in script.aggregate(other["series"]).items():
+            assert other[key] == value, name
+
+
+def test_check_picks_the_run_of_the_machines_vendor(tmp_path: Path, monkeypatch) -> None:
+    script = _script()
+    readme_run = json.loads(script.SUMMARY.read_text())
+    readme_run["cpu"]["vendor"] = "GenuineIntel"
+    monkeypatch.setattr(script, "SUMMARY", tmp_path / "readme_run.json")
+    script.SUMMARY.write_text(json.dumps(readme_run))
+    path, run = script.reference_for("GenuineIntel")
+    assert path == script.SUMMARY and run == readme_run
+    with pytest.raises(SystemExit, match=r"no stored README run for this CPU vendor \(Authentic"):
+        script.reference_for("AuthenticAMD")
+    amd = {**readme_run, "cpu": {**readme_run["cpu"], "vendor": "AuthenticAMD"}}
+    (tmp_path / "readme_run_AuthenticAMD.json").write_text(json.dumps(amd))
+    path, run = script.reference_for("AuthenticAMD")
+    assert path.name == "readme_run_AuthenticAMD.json" and run == amd
+    with pytest.raises(SystemExit, match="not a plain name"):
+        script.vendor_run_path("../x")
+
+
 def test_render_words_follow_the_numbers() -> None:
     script = _script()
     stored = json.loads(script.SUMMARY.read_text())
