@@ -7,10 +7,14 @@ step's loss after 60 SFT steps): AVX-512 -0.01335904, AVX2 -0.01336349, none -0.
 MKL also takes other paths on Intel and AMD processors: with ``MKL_CBWR=AVX2`` an Intel Xeon
 and an AMD EPYC gave the README run different first-step rewards (0.141 and 0.156), so MKL is
 pinned to ``COMPATIBLE``, its conditional-numerical-reproducibility mode for "Intel and
-Intel-compatible" processors alike (SSE2 kernels: slower, and the same everywhere).
+Intel-compatible" processors alike (SSE2 kernels, slower). That is not enough: under these
+pins an AMD EPYC still gives other bits than an Intel Xeon (first RL step of the README run:
+reward 0.156 against 0.141, loss -0.0411 against -0.0512; the same with oneDNN switched off,
+and with ``COMPATIBLE,STRICT``; measured 2026-12-02), so the bits are the same per CPU vendor,
+not across vendors, and ``benchmarks/readme_numbers.py`` stores one run per vendor.
 :data:`PORTABLE_CPU_KERNELS` pins ATen and oneDNN to AVX2, which every x86-64 CPU of the last
 decade has, and MKL to that mode; ``benchmarks/readme_numbers.py`` and the coverage
-experiments run under it, so a run started on one machine continues on another.
+experiments run under it, so a run started on one machine continues on another of its vendor.
 """
 
 from __future__ import annotations
