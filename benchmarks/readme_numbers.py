@@ -261,7 +261,7 @@ def render(summary: dict[str, Any]) -> str:
         f"training groups {reward} from {s['reward_first']:.3f} (first {WINDOW} steps) to "
         f"{s['reward_last']:.3f} (last {WINDOW}), while the share of distinct responses per "
         f"group {distinct} from {s['distinct_first']:.3f} to {s['distinct_last']:.3f}{sharpens}. "
-        "The numbers are portable: the script runs command 1 with torch's AVX2 kernels and "
+        "The numbers are reproducible: the script runs command 1 with torch's AVX2 kernels and "
         "MKL's reproducibility mode (`ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=COMPATIBLE`), which "
         "give these metrics bit for bit on any x86-64 CPU with AVX2 of the same vendor "
         f"(these on an {s['cpu']['model']}) and "
