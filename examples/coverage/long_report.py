@@ -88,6 +88,7 @@ def write(
         "only. Each finished unit is a JSON file in `coverage_long/`; the command skips "
         "them and trains the missing ones, seed by seed, one at a time.",
         "",
+        *([long_units.base_note(units), ""] if long_units.base_note(units) else []),
         *(
             [
                 f"**Warning: the units come from {len(bases)} different SFT bases** (the warm-up "

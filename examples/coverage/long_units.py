@@ -117,6 +117,25 @@ def read_units(directory: Path, settings: dict[str, Any]) -> dict[str, dict[str,
     return units
 
 
+def base_note(units: dict[str, dict[str, Any]]) -> str:
+    """A warning when the units trained from more than one SFT base (``base``: the digest of
+    its tensors), empty otherwise. Each session rebuilds the base, and CPUs of two vendors give
+    it other bits even under the pinned kernels, so units of different sessions can start from
+    different (equally trained) bases: a paired difference is then exact only within a seed
+    whose units share one."""
+    by_base: dict[str, list[str]] = {}
+    for name, unit in sorted(units.items()):
+        by_base.setdefault(unit["base"], []).append(name.removesuffix(".json"))
+    if len(by_base) < 2:
+        return ""
+    parts = "; ".join(f"`{digest}`: {', '.join(names)}" for digest, names in by_base.items())
+    return (
+        f"**The units come from {len(by_base)} SFT bases** (the same command rebuilt on CPUs "
+        f"that round differently): {parts}. Each base is as trained as the other; a seed whose "
+        "units span two bases pairs its methods less tightly."
+    )
+
+
 def write_unit(path: Path, unit: dict[str, Any]) -> None:
     """One unit, written whole (to a temporary name first: an interrupted write is no unit)."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -47,6 +47,7 @@ def write(
         f"methods x {len(seeds)} seeds); complete seeds: "
         f"{', '.join(map(str, complete)) or 'none yet'}. The tables use the complete seeds only.",
         "",
+        *([long_units.base_note(units), ""] if long_units.base_note(units) else []),
         "## Protocol",
         f"- Task: countdown, short answers ({task}); the same base and evaluation as "
         "`coverage.md`, with fewer RL steps and a smaller evaluation.",
