@@ -101,16 +101,21 @@ def aggregate(series: dict[str, list[float]]) -> dict[str, float]:
     return out
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags (``/proc/cpuinfo``); empty where that file does not exist."""
+def _cpuinfo(field: str) -> str | None:
+    """The first ``field`` line's value in ``/proc/cpuinfo``; None where there is none."""
     try:
         text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
     except OSError:
-        return set()
+        return None
     for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.partition(":")[2].split())
-    return set()
+        if line.partition(":")[0].strip() == field:
+            return line.partition(":")[2].strip()
+    return None
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (``/proc/cpuinfo``); empty where that file does not exist."""
+    return set((_cpuinfo("flags") or "").split())
 
 
 def portable_env(base: dict[str, str]) -> dict[str, str]:
@@ -121,14 +126,7 @@ def portable_env(base: dict[str, str]) -> dict[str, str]:
 def cpu_vendor() -> str:
     """``/proc/cpuinfo``'s ``vendor_id`` (``GenuineIntel``, ``AuthenticAMD``); ``unknown``
     where that file does not say."""
-    try:
-        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return "unknown"
-    for line in text.splitlines():
-        if line.startswith("vendor_id"):
-            return line.partition(":")[2].strip() or "unknown"
-    return "unknown"
+    return _cpuinfo("vendor_id") or "unknown"
 
 
 def vendor_run_path(vendor: str) -> Path:
@@ -163,14 +161,7 @@ def reference_for(vendor: str) -> tuple[Path, dict[str, Any]]:
 
 def cpu_description() -> dict[str, Any]:
     """What the numbers were measured on, and the kernels torch used under the pins."""
-    model = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
-            if line.startswith("model name"):
-                model = line.partition(":")[2].strip()
-                break
-    except OSError:
-        pass
+    model = _cpuinfo("model name") or "unknown"
     probe = subprocess.run(
         [sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"],
         env=portable_env(dict(os.environ)),

@@ -75,6 +75,7 @@ def write(
     per_unit = rl_s + eval_s - units.get("base.json", {}).get("seconds", {}).get("eval", 0.0)
     per_unit = per_unit / len(trained) / 60 if trained else float("nan")
     task = ", ".join(args.task) or "as in examples/tiny_cpu.yaml"
+    bases_note = long_units.base_note(units)
     lines = [
         "# Coverage at length: GRPO vs ReCo (sequence) vs ReCo (prefix) on countdown, worked",
         "",
@@ -88,17 +89,7 @@ def write(
         "only. Each finished unit is a JSON file in `coverage_long/`; the command skips "
         "them and trains the missing ones, seed by seed, one at a time.",
         "",
-        *([long_units.base_note(units), ""] if long_units.base_note(units) else []),
-        *(
-            [
-                f"**Warning: the units come from {len(bases)} different SFT bases** (the warm-up "
-                "did not reproduce bit for bit in a later session, e.g. on another CPU); the "
-                "comparison is then within seeds trained from different starting weights.",
-                "",
-            ]
-            if len(bases) > 1
-            else []
-        ),
+        *([bases_note, ""] if bases_note else []),
         "## Protocol",
         f"- Task: countdown in the `worked` style ({task}): the response writes each step "
         "`a op b = c` with the numbers that remain, then `Answer: <expression>` (38-80 tokens "

@@ -130,9 +130,9 @@ def base_note(units: dict[str, dict[str, Any]]) -> str:
         return ""
     parts = "; ".join(f"`{digest}`: {', '.join(names)}" for digest, names in by_base.items())
     return (
-        f"**The units come from {len(by_base)} SFT bases** (the same command rebuilt on CPUs "
-        f"that round differently): {parts}. Each base is as trained as the other; a seed whose "
-        "units span two bases pairs its methods less tightly."
+        f"**Warning: the units come from {len(by_base)} different SFT bases** (the warm-up "
+        "did not reproduce bit for bit in a later session, e.g. on another CPU): "
+        f"{parts}. The comparison is then within seeds trained from different starting weights."
     )
 
 

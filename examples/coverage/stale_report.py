@@ -36,6 +36,7 @@ def write(
     trained = [u for n, u in units.items() if n != "base.json"]
     minutes = sum(u["seconds"].get("rl", 0.0) + u["seconds"]["eval"] for u in trained) / 60
     task = ", ".join(args.task) or "as in examples/tiny_cpu.yaml"
+    bases_note = long_units.base_note(units)
     lines = [
         "# Coverage with stale groups: GRPO and ReCo at staleness 0 and 2 on countdown",
         "",
@@ -47,7 +48,7 @@ def write(
         f"methods x {len(seeds)} seeds); complete seeds: "
         f"{', '.join(map(str, complete)) or 'none yet'}. The tables use the complete seeds only.",
         "",
-        *([long_units.base_note(units), ""] if long_units.base_note(units) else []),
+        *([bases_note, ""] if bases_note else []),
         "## Protocol",
         f"- Task: countdown, short answers ({task}); the same base and evaluation as "
         "`coverage.md`, with fewer RL steps and a smaller evaluation.",

@@ -100,16 +100,17 @@ def test_units_are_taken_seed_by_seed_and_skipped_once_written(tmp_path: Path) -
     assert [e["label"] for e in entries] == ["base", "grpo/s1", "reco_prefix/s1"]
 
 
-@pytest.mark.slow
 def test_reports_say_when_units_come_from_more_than_one_base() -> None:
     units = _module("long_units")
     one = {"base.json": {"base": "aa"}, "grpo-s1.json": {"base": "aa"}}
     assert units.base_note(one) == ""
     two = {**one, "reco-s1.json": {"base": "bb"}}
     note = units.base_note(two)
-    assert "2 SFT bases" in note and "`aa`: base, grpo-s1" in note and "`bb`: reco-s1" in note
+    assert "2 different SFT bases" in note
+    assert "`aa`: base, grpo-s1" in note and "`bb`: reco-s1" in note
 
 
+@pytest.mark.slow
 def test_long_coverage_experiment_smoke(tmp_path: Path) -> None:
     run = _module("run")
     out = tmp_path / "long"
