@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from reco_megatron.utils.cpu_env import PORTABLE_CPU_KERNELS
+from reco_megatron.utils.cpu_env import PORTABLE_CPU_KERNELS, cpu_vendor, cpuinfo
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "examples/tiny_cpu.yaml"
@@ -101,32 +101,14 @@ def aggregate(series: dict[str, list[float]]) -> dict[str, float]:
     return out
 
 
-def _cpuinfo(field: str) -> str | None:
-    """The first ``field`` line's value in ``/proc/cpuinfo``; None where there is none."""
-    try:
-        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return None
-    for line in text.splitlines():
-        if line.partition(":")[0].strip() == field:
-            return line.partition(":")[2].strip()
-    return None
-
-
 def cpu_flags() -> set[str]:
     """The CPU's feature flags (``/proc/cpuinfo``); empty where that file does not exist."""
-    return set((_cpuinfo("flags") or "").split())
+    return set((cpuinfo("flags") or "").split())
 
 
 def portable_env(base: dict[str, str]) -> dict[str, str]:
     """``base`` with the CPU pins of ``PORTABLE_CPU_ENV`` (they override what ``base`` sets)."""
     return {**base, **PORTABLE_CPU_ENV}
-
-
-def cpu_vendor() -> str:
-    """``/proc/cpuinfo``'s ``vendor_id`` (``GenuineIntel``, ``AuthenticAMD``); ``unknown``
-    where that file does not say."""
-    return _cpuinfo("vendor_id") or "unknown"
 
 
 def vendor_run_path(vendor: str) -> Path:
@@ -161,7 +143,7 @@ def reference_for(vendor: str) -> tuple[Path, dict[str, Any]]:
 
 def cpu_description() -> dict[str, Any]:
     """What the numbers were measured on, and the kernels torch used under the pins."""
-    model = _cpuinfo("model name") or "unknown"
+    model = cpuinfo("model name") or "unknown"
     probe = subprocess.run(
         [sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"],
         env=portable_env(dict(os.environ)),

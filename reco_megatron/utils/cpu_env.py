@@ -19,6 +19,8 @@ experiments run under it, so a run started on one machine continues on another o
 
 from __future__ import annotations
 
+from pathlib import Path
+
 PORTABLE_CPU_KERNELS: dict[str, str] = {
     "ATEN_CPU_CAPABILITY": "avx2",
     "MKL_CBWR": "COMPATIBLE",
@@ -26,3 +28,22 @@ PORTABLE_CPU_KERNELS: dict[str, str] = {
 }
 """Variables to set in a process's environment before torch starts (they override any
 value the environment had)."""
+
+
+def cpuinfo(field: str) -> str | None:
+    """The first ``field`` line's value in ``/proc/cpuinfo``; None where there is none."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.partition(":")[0].strip() == field:
+            return line.partition(":")[2].strip()
+    return None
+
+
+def cpu_vendor() -> str:
+    """``/proc/cpuinfo``'s ``vendor_id`` (``GenuineIntel``, ``AuthenticAMD``); ``unknown``
+    where that file does not say. Runs under :data:`PORTABLE_CPU_KERNELS` give the same bits
+    per vendor, so results that must match across sessions record it."""
+    return cpuinfo("vendor_id") or "unknown"
