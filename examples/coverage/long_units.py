@@ -217,6 +217,15 @@ def entries(units: dict[str, dict[str, Any]], methods: Sequence[str]) -> list[di
     return out
 
 
+RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
+
+
+def units_dir_of(args: argparse.Namespace, out: Path, name: str) -> Path:
+    """Where the units of experiment ``name`` live: ``--units``, else ``docs/results/<name>``
+    (``<out>/<name>`` with ``--smoke``)."""
+    return (args.units or (out if args.smoke else RESULTS) / name).resolve()
+
+
 def main(
     args: argparse.Namespace,
     protocol: str,
@@ -237,10 +246,8 @@ def main(
     write_report = report or long_report.write
     if args.stop_after:  # the report shows the command that continues the experiment
         command = command.replace(f"--stop-after {args.stop_after}", "").replace("  ", " ").strip()
-    root = Path(__file__).resolve().parents[2]
-    docs = out if args.smoke else root / "docs" / "results"
-    units_dir = (args.units or docs / name).resolve()
-    results = args.results or docs / f"{name}.md"
+    units_dir = units_dir_of(args, out, name)
+    results = args.results or (out if args.smoke else RESULTS) / f"{name}.md"
     shared = ("sft_steps", "rl_steps", "prompts_per_step", "lr", "n", "kmax", "eval_prompts")
     # "cpu": the kernels are pinned (reco_megatron/utils/cpu_env.py); units of unpinned
     # runs came from CPU-dependent bases and are not comparable

@@ -58,6 +58,7 @@ sys.path.insert(0, str(ROOT))
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import base_store  # noqa: E402
 import long_units  # noqa: E402
 import stale_units  # noqa: E402
 from write_report import write_results  # noqa: E402
@@ -145,21 +146,6 @@ def _task_overrides(task: list[str], parser: argparse.ArgumentParser) -> list[st
     if bad:
         parser.error(f"--task {bad}: give countdown settings as KEY=VALUE, e.g. n_eval=128")
     return [f"data.countdown.{t}" for t in task]
-
-
-def _check_same_task(path: Path, task: list[str], sft_steps: int) -> None:
-    """An existing ``--out`` keeps its base: refuse other task or SFT settings instead of
-    mixing results of two bases."""
-    settings = {"task": sorted(task), "sft_steps": sft_steps}
-    if path.exists():
-        old = json.loads(path.read_text())
-        if old != settings:
-            raise SystemExit(
-                f"{path.parent} was made with {old}, this call asks for {settings}: use the "
-                "same --task / --sft-steps, or a new --out"
-            )
-    else:
-        path.write_text(json.dumps(settings))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -280,16 +266,24 @@ def main(argv: list[str] | None = None) -> int:
     task = _task_overrides(args.task, p) + (long_units.TASK_OVERRIDES if worked else [])
     out = args.out.resolve()
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    _check_same_task(out / "task.json", task, args.sft_steps)
+    base_settings = base_store.check_same_task(out / "task.json", task, args.sft_steps)
     sft_time = out / "sft_seconds.json"  # the report's RL and evaluation times come from
     # the runs' own logs (analysis.time_summary): a stopwatch around overlapping or
     # interrupted invocations would be wrong
     threads = max(1, (os.cpu_count() or 1) // args.jobs)
 
     base = out / "base"
-    if not (base / "checkpoints" / "latest").exists():
+
+    def build_base() -> None:
         cmd = _train_cmd(base, ["trainer.max_steps=0", f"sft.steps={args.sft_steps}", *task])
         sft_time.write_text(json.dumps(_run(cmd, out / "logs" / "base.log", threads * args.jobs)))
+
+    # the unit experiments keep their base beside their units (base_store: every session and
+    # CPU then trains from the same weights); the classic one rebuilds it in --out
+    units = "coverage_long" if worked else "coverage_staleness"
+    units_dir = long_units.units_dir_of(args, out, units)
+    store = units_dir.with_name(f"{units_dir.name}_base")
+    base_store.ensure(base, store if worked or stale else None, base_settings, build_base)
     data = base / "data"
     held_out = sum(1 for line in (data / "eval.jsonl").open() if line.strip())
     if held_out < args.eval_prompts:
@@ -368,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return long_units.main(
             args, protocol, base_step, rl, evaluate, out, command,
-            name="coverage_staleness", report=stale_report.write, keys=stale_report.KEYS,
+            name=units, report=stale_report.write, keys=stale_report.KEYS,
         )  # fmt: skip
     base_entry = {**evaluate("base", base_step)[0], "rl_step": 0}
     by_budget: dict[int, list[dict]] = {}
