@@ -125,12 +125,22 @@ def test_long_coverage_experiment_smoke(tmp_path: Path) -> None:
     assert "Units done: 4 of 4 planned" in report and "| reco_prefix - grpo |" in report
     assert "| reco_prefix | " in report.split("## Where the response weight acts")[1]
     # Worked responses: the base's samples are long (the smoke's base is barely trained).
-    base = json.loads((out / "coverage_long" / "base.json").read_text())["entry"]
-    assert base["summary"]["mean_len"] > 24
+    base_unit = json.loads((out / "coverage_long" / "base.json").read_text())
+    assert base_unit["entry"]["summary"]["mean_len"] > 24
     # The same command again finds every unit done and redoes nothing.
     stamps = {p: p.stat().st_mtime_ns for p in (out / "coverage_long").glob("*.json")}
     assert run.main(argv) == 0
     assert {p: p.stat().st_mtime_ns for p in (out / "coverage_long").glob("*.json")} == stamps
+    # The base is stored beside the units; a new --out (a later session) restores it instead
+    # of training it, and its tensors are the ones every unit names.
+    manifest = json.loads((out / "coverage_long_base" / "manifest.json").read_text())
+    assert manifest["digest"] == base_unit["base"]
+    later = tmp_path / "later"
+    units = ["--units", str(out / "coverage_long"), "--results", str(later / "report.md")]
+    assert run.main([*argv[:-4], "--out", str(later), *units, "--eval-threads", "1"]) == 0
+    assert not (later / "logs" / "base.log").exists()
+    assert (later / "base" / "checkpoints" / "latest").exists()
+    assert "Units done: 4 of 4 planned" in (later / "report.md").read_text()
 
 
 @pytest.mark.slow
