@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from reco_megatron.utils.cpu_env import PORTABLE_CPU_KERNELS
+
 METHODS_LONG: dict[str, list[str]] = {
     "grpo": ["loss.objective=ppo_clip", "loss.response_weight=none", "loss.token_ratio=importance"],
     "reco": [
@@ -60,6 +62,16 @@ TASK_OVERRIDES = [
 ]
 """What the worked style needs besides the task (docs/data-and-rewards.md): its reward, room
 for its responses (at most 81 tokens with EOS) and prompts (at most 105)."""
+CPU_KERNELS = {**PORTABLE_CPU_KERNELS, "MKL_CBWR": "AVX2"}
+"""This experiment's CPU pins: ATen and oneDNN on AVX2 as everywhere, MKL in its AVX2
+reproducibility mode instead of COMPATIBLE. COMPATIBLE was picked for the README run in the
+hope that Intel and AMD then agree, which they do not (``reco_megatron/utils/cpu_env.py``), and
+it makes this experiment's SFT 1.65x as slow (2.56-2.62 against 1.49-1.68 s/step, 40 steps of
+the worked-style base side by side, AMD EPYC, 2026-12-02; the AVX2 mode ran as fast as no pins
+at all). Either mode gives the same bits run after run on one machine; the units share a
+stored base (:mod:`base_store`), so nothing here needs bits that agree across machines."""
+CPU_NAME = "avx2-pinned, MKL_CBWR=AVX2"
+"""The units' ``settings["cpu"]`` under :data:`CPU_KERNELS`."""
 REWARD = "countdown_worked"
 MAX_NEW_TOKENS = 96
 WEIGHT_KEYS = ("weight_active", "weight_active_tokens", "reward_mean", "response_len_mean")
@@ -237,6 +249,7 @@ def main(
     name: str = "coverage_long",
     report: Callable[..., None] | None = None,
     keys: Sequence[str] = WEIGHT_KEYS,
+    cpu: str = "avx2-pinned",
 ) -> int:
     """``run.py --style worked`` after the base: the units one at a time
     (:func:`run_units`), the report re-rendered after each. With ``--smoke`` the units and the
@@ -249,9 +262,9 @@ def main(
     units_dir = units_dir_of(args, out, name)
     results = args.results or (out if args.smoke else RESULTS) / f"{name}.md"
     shared = ("sft_steps", "rl_steps", "prompts_per_step", "lr", "n", "kmax", "eval_prompts")
-    # "cpu": the kernels are pinned (reco_megatron/utils/cpu_env.py); units of unpinned
-    # runs came from CPU-dependent bases and are not comparable
-    settings = {"protocol": protocol, "task": sorted(args.task), "cpu": "avx2-pinned"}
+    # "cpu": the kernels are pinned (reco_megatron/utils/cpu_env.py); units of other pins
+    # are not comparable (other bits from the same base)
+    settings = {"protocol": protocol, "task": sorted(args.task), "cpu": cpu}
     settings |= {k: vars(args)[k] for k in shared}
     deadline = None
     if args.stop_after:

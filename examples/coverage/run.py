@@ -99,9 +99,11 @@ COMMON = [
 CONFIG = ROOT / "examples" / "tiny_cpu.yaml"
 
 
-def _run(cmd: list[str], log: Path, threads: int) -> float:
+def _run(
+    cmd: list[str], log: Path, threads: int, kernels: dict[str, str] = PORTABLE_CPU_KERNELS
+) -> float:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(threads))
-    env.update(PORTABLE_CPU_KERNELS)  # the same bits on any AVX2 CPU: units span sessions
+    env.update(kernels)  # the same bits run after run (cpu_env.py)
     env["MKL_NUM_THREADS"] = str(threads)
     start = time.perf_counter()
     with log.open("w") as f:
@@ -271,12 +273,14 @@ def main(argv: list[str] | None = None) -> int:
     # the runs' own logs (analysis.time_summary): a stopwatch around overlapping or
     # interrupted invocations would be wrong
     threads = max(1, (os.cpu_count() or 1) // args.jobs)
+    kernels = long_units.CPU_KERNELS if worked else PORTABLE_CPU_KERNELS
 
     base = out / "base"
 
     def build_base() -> None:
         cmd = _train_cmd(base, ["trainer.max_steps=0", f"sft.steps={args.sft_steps}", *task])
-        sft_time.write_text(json.dumps(_run(cmd, out / "logs" / "base.log", threads * args.jobs)))
+        seconds = _run(cmd, out / "logs" / "base.log", threads * args.jobs, kernels)
+        sft_time.write_text(json.dumps(seconds))
 
     # the unit experiments keep their base beside their units (base_store: every session and
     # CPU then trains from the same weights); the classic one rebuilds it in --out
@@ -327,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
             *task[len(args.task) :],
             *methods_table[method],
         ]
-        return _run(_train_cmd(run_dir, overrides), out / "logs" / f"{method}-s{seed}.log", threads)
+        log = out / "logs" / f"{method}-s{seed}.log"
+        return _run(_train_cmd(run_dir, overrides), log, threads, kernels)
 
     jobs = [(m, s) for s in args.seeds for m in args.methods]
     if not (worked or stale):
@@ -350,14 +355,16 @@ def main(argv: list[str] | None = None) -> int:
                 "--out", str(part), "--no-progress",
             ]  # fmt: skip
             log = out / "logs" / f"eval-{label.replace('/', '-')}-{step_dir.name}.log"
-            _run(eval_cmd, log, args.eval_threads or threads * args.jobs)
+            _run(eval_cmd, log, args.eval_threads or threads * args.jobs, kernels)
         return report.read_json(part / "passk.json")
 
     base_step = base / "checkpoints" / (base / "checkpoints" / "latest").read_text().strip()
     if worked or stale:
         command = " ".join(_shown(a) for a in sys.argv[1:])
         if worked:
-            return long_units.main(args, protocol, base_step, rl, evaluate, out, command)
+            return long_units.main(
+                args, protocol, base_step, rl, evaluate, out, command, cpu=long_units.CPU_NAME
+            )
         import stale_report
 
         return long_units.main(
