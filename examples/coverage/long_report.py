@@ -73,7 +73,7 @@ def write(
     eval_s = sum(u["seconds"].get("eval", 0.0) for u in units.values())
     trained = [u for n, u in units.items() if n != "base.json"]
     per_unit = rl_s + eval_s - units.get("base.json", {}).get("seconds", {}).get("eval", 0.0)
-    per_unit = per_unit / len(trained) / 60 if trained else float("nan")
+    per_unit = per_unit / max(1, len(trained)) / 60
     task = ", ".join(args.task) or "as in examples/tiny_cpu.yaml"
     bases_note = long_units.base_note(units)
     lines = [
@@ -98,8 +98,10 @@ def write(
         "false steps, or steps that do not reach the target, scores 0). Held-out problems "
         "disjoint from the training ones.",
         f"- Base: `examples/tiny_cpu.yaml` (4-layer 128-wide Llama, vocab 128, positions 256), "
-        f"SFT {args.sft_steps} steps on 3 worked solutions per training problem; rebuilt by "
-        f"the same seeded SFT in each session (base weight digests seen: {', '.join(bases)}).",
+        f"SFT {args.sft_steps} steps on 3 worked solutions per training problem, trained "
+        "once and stored in `coverage_long_base/` (its archive and manifest), so every "
+        "session and CPU trains its units from the same weights (base weight digests seen: "
+        f"{', '.join(bases) or 'none yet'}).",
         f"- RL: {args.rl_steps} steps x {args.prompts_per_step} prompts x G = 8 from the base, "
         f"2 mini-batch updates per rollout batch, lr {args.lr}, no KL, clip 0.2/0.28, "
         f"at most {long_units.MAX_NEW_TOKENS} new tokens, seeds {', '.join(map(str, seeds))}; "
@@ -114,10 +116,10 @@ def write(
         "- Intervals: 95 % percentile bootstrap resampling the seeds (training runs) and, "
         "jointly, the held-out problems; `*` marks a paired difference whose interval "
         "excludes 0.",
-        f"- Time per trained unit (RL with 2 threads, then the evaluation with 1, one process at "
-        f"nice 19 on 2 cores shared with other work, CPU/gloo): {per_unit:.1f} min on average "
-        f"over {len(trained)} units; the SFT base ({args.sft_steps} steps) is rebuilt once "
-        "per session.",
+        "- Time per trained unit (RL with 2 threads, then the evaluation with 1, one process at "
+        "nice 19 on 2 cores shared with other work, CPU/gloo, kernels pinned as "
+        f"`{long_units.CPU_NAME}`): "
+        + (f"{per_unit:.1f} min on average over {len(trained)} units." if trained else "none yet."),
         "",
     ]
     if "base.json" in units:

@@ -52,7 +52,10 @@ def write(
         "## Protocol",
         f"- Task: countdown, short answers ({task}); the same base and evaluation as "
         "`coverage.md`, with fewer RL steps and a smaller evaluation.",
-        f"- Base: `examples/tiny_cpu.yaml`, SFT {args.sft_steps} steps; RL {args.rl_steps} steps "
+        f"- Base: `examples/tiny_cpu.yaml`, SFT {args.sft_steps} steps, stored in "
+        "`coverage_staleness_base/` so that later sessions train from the same weights "
+        "(digests seen: "
+        f"{', '.join(sorted({u['base'] for u in units.values()}))}); RL {args.rl_steps} steps "
         f"x {args.prompts_per_step} prompts x G = 8, lr {args.lr}, no KL, clip 0.2/0.28, "
         "the truncated importance weight min(pi_old / mu, 2) in every method, seeds "
         f"{', '.join(map(str, seeds))}. The methods (`METHODS_STALE` in stale_units.py): "
