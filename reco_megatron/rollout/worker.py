@@ -239,7 +239,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker-id", type=int, required=True)
     p.add_argument("--connect-timeout", type=float, default=600.0)
     p.add_argument("--spawned", action="store_true", help="die with the parent process")
+    p.add_argument(
+        "--torch-threads",
+        type=int,
+        default=0,
+        help="torch intra-op threads (the trainer passes its own: CPU results depend on them); "
+        "0: torch's default",
+    )
     args = p.parse_args(argv)
+    if args.torch_threads < 0:
+        p.error(f"--torch-threads must be >= 0, got {args.torch_threads}")
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
     if args.spawned:
         _die_with_parent()
     signal.signal(signal.SIGTERM, lambda *_: os._exit(128 + signal.SIGTERM))

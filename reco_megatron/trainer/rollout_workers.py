@@ -25,6 +25,8 @@ from multiprocessing.connection import Connection, Listener
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from reco_megatron.rollout.worker_link import (
     ADDRESS_FILE,
     WORKER_MODULE,
@@ -103,6 +105,9 @@ class WorkerPool:
         env["RECO_ROLLOUT_WORKER"] = str(i)
         cmd = [sys.executable, "-m", WORKER_MODULE, "--address", str(self.dir / ADDRESS_FILE)]
         cmd += ["--worker-id", str(i), "--spawned", "--connect-timeout", str(self.timeout)]
+        # the trainer's intra-op threads: a CPU matmul's summation order depends on them, so
+        # with them a K = 0 run samples from the bits a colocated engine would compute
+        cmd += ["--torch-threads", str(torch.get_num_threads())]
         log = open(self.dir / f"worker-{i}.log", "ab")  # noqa: SIM115 - the child keeps it
         try:
             return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)

@@ -19,20 +19,18 @@ go to the others (``continue``).
 
 from __future__ import annotations
 
-import time
 from collections import deque
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from reco_megatron.parallel.layout import RankLayout
 from reco_megatron.rollout.base import RolloutEngine, SamplingParams
 from reco_megatron.rollout.weight_transport import PushPlan, TensorSpec, dtype_name
 from reco_megatron.trainer.config import TrainConfig
-from reco_megatron.trainer.rollout_source import PromptSource, StepPrompts, StepRollout, prompt_seed
+from reco_megatron.trainer.group_dispatch import GroupDispatcher
+from reco_megatron.trainer.rollout_source import PromptSource, StepPrompts, StepRollout
 from reco_megatron.trainer.rollout_workers import WorkerLost, WorkerPool
 from reco_megatron.trainer.weight_push import StageWeights, WeightPusher
 from reco_megatron.utils.logging import get_logger
@@ -42,7 +40,7 @@ logger = get_logger(__name__)
 
 class SeparateRollout:
     """The loop's source of groups under ``rollout.placement=separate`` (every trainer rank;
-    the first rank talks to the workers)."""
+    the first rank talks to the workers through its :class:`GroupDispatcher`)."""
 
     def __init__(
         self,
@@ -61,19 +59,23 @@ class SeparateRollout:
         self.k = r.staleness_bound
         self.prompts = prompts
         self.layout = layout
-        self.sampling = sampling
         self.max_steps = cfg.trainer.max_steps
         self.pending: deque[tuple[int, StepPrompts]] = deque()  # dispatched, not yet trained
-        self.results: dict[tuple[int, int], dict[str, Any]] = {}  # (step, chunk) -> result
-        self.requests: dict[int, tuple[int, int]] = {}  # request id -> (step, chunk)
-        self.chunks: dict[
-            int, list[tuple[int, int, list[int]]]
-        ] = {}  # step -> [(chunk, wid, groups)]
-        self.next_request = 0
         self.version = -1
-        self.dropped = 0
-        self.failure: WorkerLost | None = None  # raised at the next step, on every rank
         self.pool = WorkerPool(r, run_dir, run_id) if layout.rank == 0 else None
+        self.book = (
+            GroupDispatcher(
+                self.pool,
+                prompts.encode,
+                sampling,
+                seed=cfg.trainer.seed,
+                group_size=r.group_size,
+                max_staleness=self.k,
+                stop_on_failure=r.worker_failure == "stop",
+            )
+            if self.pool is not None
+            else None
+        )
         plan = PushPlan(
             tuple(
                 TensorSpec(name, shape, dtype_name(dtype), stage)
@@ -98,11 +100,9 @@ class SeparateRollout:
             raise RuntimeError(f"separate rollout: step {step + 1} was never dispatched")
         _, drawn = self.pending.popleft()
         payload: list[Any] = [None]
-        if self.layout.rank == 0:
+        if self.book is not None:
             try:
-                if self.failure is not None:
-                    raise self.failure
-                payload[0] = self._collect(step + 1, drawn)
+                payload[0] = self.book.collect(step + 1)
             except WorkerLost as exc:
                 payload[0] = (exc.worker, exc.why)
         dist.broadcast_object_list(payload, src=0)
@@ -164,22 +164,11 @@ class SeparateRollout:
     def _push(self, version: int) -> float:
         seconds, lost = self.pusher.push(version)
         self.version = version
-        for wid in lost:
-            self._lose(wid, f"failed to receive the weights of step {version}")
+        if self.book is not None:
+            self.book.version = version
+            for wid in lost:
+                self.book.lose(wid, f"failed to receive the weights of step {version}")
         return seconds
-
-    def _lose(self, wid: int, why: str) -> None:
-        """A lost worker (rank 0 acts; the others learn it at the next step): stop the run
-        there, or hand its requests to the live workers."""
-        if self.pool is None:
-            return
-        self.pool.mark_dead(wid)
-        alive = self.pool.alive
-        if self.cfg.rollout.worker_failure == "stop" or not alive:
-            self.failure = self.failure or WorkerLost(wid, why)
-            return
-        logger.warning("rollout worker %d %s; carrying on with workers %s", wid, why, alive)
-        self._reassign(wid)
 
     def _dispatch_ahead(self, version: int) -> None:
         last = min(version + 1 + self.k, self.max_steps)
@@ -187,101 +176,5 @@ class SeparateRollout:
             step = self.pending[-1][0] + 1 if self.pending else version + 1
             drawn = self.prompts.draw()
             self.pending.append((step, drawn))
-            if self.pool is not None:
-                self._send_step(step, drawn)
-
-    def _send_step(self, step: int, drawn: StepPrompts) -> None:
-        """Split step ``step``'s groups over the live workers, one request each (rank 0)."""
-        assert self.pool is not None
-        alive = self.pool.alive
-        if self.failure is not None or not alive:
-            return  # the run stops at the next step (the failure is recorded)
-        n = len(drawn.indices)
-        bounds = [round(i * n / len(alive)) for i in range(len(alive) + 1)]
-        self.chunks[step] = []
-        for c, wid in enumerate(alive):
-            groups = list(range(bounds[c], bounds[c + 1]))
-            if groups:
-                self.chunks[step].append((c, wid, groups))
-                self._request(step, c, wid, groups, drawn)
-
-    def _request(
-        self, step: int, chunk: int, wid: int, groups: list[int], drawn: StepPrompts
-    ) -> None:
-        assert self.pool is not None
-        prompts, _ = self.prompts.encode(drawn.indices, groups)
-        seed = self.cfg.trainer.seed
-        sampling = [replace(self.sampling, seed=prompt_seed(seed, step - 1, g)) for g in groups]
-        rid = self.next_request
-        self.next_request += 1
-        self.requests[rid] = (step, chunk)
-        msg = {"kind": "generate", "id": rid, "prompts": prompts, "n": self.cfg.rollout.group_size}
-        msg.update(sampling=sampling, min_version=self.version)
-        try:
-            self.pool.send(wid, msg)
-        except WorkerLost as exc:
-            self._lose(wid, exc.why)
-
-    def _reassign(self, dead: int) -> None:
-        """Send the dead worker's unanswered requests to the live ones (rank 0)."""
-        assert self.pool is not None
-        for step, chunks in self.chunks.items():
-            drawn = next((d for s, d in self.pending if s == step), None)
-            for i, (c, wid, groups) in enumerate(chunks):
-                if wid == dead and (step, c) not in self.results and drawn is not None:
-                    new = self.pool.alive[(step + c) % len(self.pool.alive)]
-                    chunks[i] = (c, new, groups)
-                    self._request(step, c, new, groups, drawn)
-
-    def _collect(self, step: int, drawn: StepPrompts) -> tuple[list[Any], dict[str, float]]:
-        """Every group of ``step`` from the workers, fresh enough (rank 0)."""
-        assert self.pool is not None
-        start = time.perf_counter()
-        oldest = (step - 1) - self.k
-        dropped = 0
-        while any((step, c) not in self.results for c, _, _ in self.chunks[step]):
-            try:
-                wid, msg = self.pool.next_event(f"the groups of step {step}")
-            except WorkerLost as exc:
-                self._lose(exc.worker, exc.why)
-                if self.failure is not None:
-                    raise self.failure from None
-                continue
-            if msg["kind"] == "error":
-                raise WorkerLost(wid, f"failed generating: {msg['message']}")
-            if msg["kind"] != "result" or msg["request"] not in self.requests:
-                continue
-            key = self.requests.pop(msg["request"])
-            if key[0] == step and int(msg["version"]) < oldest:
-                c, _, groups = next(x for x in self.chunks[step] if x[0] == key[1])
-                dropped += len(groups)
-                self._request(step, c, wid, groups, drawn)
-                continue
-            self.results[key] = msg
-        groups: list[Any] = [None] * len(drawn.indices)
-        ages, idle, generate = [], 0.0, 0.0
-        for c, _, members in self.chunks.pop(step):
-            msg = self.results.pop((step, c))
-            age = (step - 1) - int(msg["version"])
-            if age < 0 or age > self.k:
-                raise RuntimeError(
-                    f"step {step}: groups of weights version {msg['version']} (staleness {age}) "
-                    f"passed the staleness check of max_staleness={self.k}"
-                )
-            for g, completions in zip(members, msg["completions"], strict=True):
-                groups[g] = completions
-            ages += [age] * len(members)
-            idle += float(msg["idle_s"])
-            generate = max(generate, float(msg["generate_s"]))
-        self.dropped += dropped
-        ages_t = torch.tensor(ages, dtype=torch.float64)
-        metrics = {
-            "staleness_mean": float(ages_t.mean()),
-            "staleness_max": float(ages_t.max()),
-            "groups_dropped_stale": float(dropped),
-            "trainer_wait_s": time.perf_counter() - start,
-            "worker_idle_s": idle,
-            "worker_generate_s": generate,
-            "rollout_workers_alive": float(len(self.pool.alive)),
-        }
-        return groups, metrics
+            if self.book is not None:
+                self.book.send_step(step, drawn)
