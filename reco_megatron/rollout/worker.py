@@ -15,7 +15,9 @@ plan, joins its weight group (:mod:`.weight_transport`), builds the engine and t
   result carries the version that generated it.
 
 It exits on ``stop``, and within seconds of the trainer's death (the connection closes) or
-silence (no ping for ``timeout`` s): no orphan outlives its trainer. A generation error is
+silence (no ping for ``timeout`` s): no orphan outlives its trainer. A generation call that
+runs longer than ``rollout.generate_timeout_s`` is reported as hung and the worker exits (its
+engine may hold a GPU; the trainer treats it as lost). A generation error is
 reported to the trainer, which stops the run with it; it is never swallowed.
 """
 
@@ -43,6 +45,38 @@ from reco_megatron.utils.logging import get_logger
 logger = get_logger(__name__)
 
 EXIT_TRAINER_GONE = 3
+EXIT_GENERATION_HUNG = 4
+
+
+class GenerationWatch:
+    """How long the current generation call has run: the main thread marks its start and end,
+    the heartbeat thread asks whether it overran ``limit_s`` (a stuck engine keeps the
+    heartbeats coming, so silence alone would never show it)."""
+
+    def __init__(self, limit_s: float) -> None:
+        self.limit_s = limit_s
+        self._busy: tuple[int, float] | None = None  # (request id, start), one tuple: atomic
+
+    def begin(self, request: int) -> None:
+        self._busy = (request, time.monotonic())
+
+    def end(self) -> None:
+        self._busy = None
+
+    def overdue(self, now: float | None = None) -> str | None:
+        """Why the current call counts as hung, or None."""
+        busy = self._busy
+        if busy is None:
+            return None
+        request, start = busy
+        took = (time.monotonic() if now is None else now) - start
+        if took <= self.limit_s:
+            return None
+        return (
+            f"has been generating request {request} for {took:.0f} s, over "
+            f"rollout.generate_timeout_s={self.limit_s:g} (a stuck engine, or raise the bound "
+            "for generations this long)"
+        )
 
 
 class _Staged:
@@ -83,6 +117,7 @@ class Worker:
         self.version: int | None = None  # loaded into the engine
         self.idle_since = time.monotonic()
         self.fatal: str | None = None
+        self.watch = GenerationWatch(float(setup["generate_timeout_s"]))
         store = torch.distributed.TCPStore(
             setup["store_host"],
             int(setup["store_port"]),
@@ -150,9 +185,11 @@ class Worker:
             try:
                 self._load_newest(int(request["min_version"]))
                 start = time.perf_counter()
+                self.watch.begin(int(request["id"]))
                 out = self.engine.generate(
                     request["prompts"], int(request["n"]), request["sampling"]
                 )
+                self.watch.end()
             except Exception as exc:
                 self.link.send(
                     {
@@ -227,6 +264,13 @@ def _beat(link: Link, worker: list[Worker | None], interval: float, timeout: flo
             logger.error("rollout worker: the trainer has been silent for %.0f s; exiting", timeout)
             os._exit(EXIT_TRAINER_GONE)
         w = worker[0]
+        hung = None if w is None else w.watch.overdue()
+        if hung is not None:
+            logger.error("rollout worker %d %s; exiting", w.id, hung)
+            with contextlib.suppress(ConnectionError):
+                link.send({"kind": "hung", "why": hung})
+            time.sleep(0.5)  # let the message leave before the process does
+            os._exit(EXIT_GENERATION_HUNG)
         try:
             link.send({"kind": "heartbeat", "version": None if w is None else w.version})
         except ConnectionError:

@@ -2,7 +2,8 @@
 
 One authenticated TCP connection per worker (:mod:`multiprocessing.connection`, HMAC
 challenge with a key only the run's processes know) carries small pickled dicts, each with
-a ``kind``: the worker's ``hello``, ``ready``, ``heartbeat``, ``result`` and ``error``; the
+a ``kind``: the worker's ``hello``, ``ready``, ``heartbeat``, ``result``, ``error`` and
+``hung`` (its generation overran ``rollout.generate_timeout_s``; it exits next); the
 trainer's ``setup``, ``generate``, ``weights`` (a push follows on the weight group), ``ping``
 and ``stop``. Tensors never travel here (the weights go over the weight group,
 :mod:`.weight_transport`). Each side reads in a thread of its own, so a side busy computing

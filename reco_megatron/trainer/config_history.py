@@ -83,6 +83,7 @@ SAFE_ON_RESUME: tuple[str, ...] = (
     "rollout.worker_launch",
     "rollout.worker_gpus",
     "rollout.worker_timeout_s",
+    "rollout.generate_timeout_s",
     "rollout.worker_failure",
     "rollout.weight_bucket_mb",
     "rollout.gpu_memory_utilization",

@@ -69,6 +69,11 @@ class RolloutConfig:
     """A worker silent this long (no heartbeat, no result) is dead; every wait on a worker
     gives up after it, naming the worker. Also how long the trainer waits for the workers to
     start (a vLLM worker loads its model first)."""
+    generate_timeout_s: float = 3600.0
+    """``placement=separate``: a worker whose one generation call (its share of a step's
+    groups) has run this long is hung (a stuck engine whose heartbeats still come): it says so
+    and exits, and the trainer treats it as lost (``worker_failure``). Raise it when one call
+    legitimately takes longer (very long responses on few GPUs)."""
     worker_failure: WorkerFailure = "stop"
     """A dead worker: ``stop`` saves a checkpoint and exits 75 (resumable) naming it;
     ``continue`` hands its groups to the others and trains on (the run stops when none is
@@ -126,11 +131,10 @@ class RolloutConfig:
                 f"rollout.max_staleness must be an integer >= 0 (or null for the placement's "
                 f"default), got {k!r}"
             )
-        if not (isinstance(self.worker_timeout_s, int | float) and self.worker_timeout_s > 0):
-            raise ValueError(
-                f"rollout.worker_timeout_s must be a number of seconds > 0, got "
-                f"{self.worker_timeout_s!r}"
-            )
+        for name in ("worker_timeout_s", "generate_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not (isinstance(value, int | float) and value > 0):
+                raise ValueError(f"rollout.{name} must be a number of seconds > 0, got {value!r}")
         if self.placement == "colocated":
             if k:
                 raise ValueError(

@@ -4,8 +4,9 @@
 the workers (``rollout.worker_launch=spawn``: ``python -m reco_megatron.rollout.worker`` with
 one GPU each, or the CPU; their output in ``<output_dir>/rollout/worker-N.log``) or waits for
 the job's (``external``), hands each its setup, sends requests, and turns what comes back into
-events. A worker is dead when its connection closes, its process exits, or nothing came from
-it for ``rollout.worker_timeout_s``; every wait here gives up after that time, naming what it
+events. A worker is dead when its connection closes, its process exits, nothing came from it
+for ``rollout.worker_timeout_s``, or it reports its generation hung
+(``rollout.generate_timeout_s``); every wait here gives up after that time, naming what it
 waited for. Pings keep the workers alive while the trainer trains; a trainer that dies
 closes the connections, and its workers exit within seconds.
 """
@@ -222,6 +223,9 @@ class WorkerPool:
             if msg["kind"] == "gone":
                 self.mark_dead(wid)
                 raise WorkerLost(wid, f"is gone ({msg['why']}) while waiting for {waiting_for}")
+            if msg["kind"] == "hung":  # its generation overran; it exits after saying so
+                self.mark_dead(wid)
+                raise WorkerLost(wid, f"{msg['why']} while waiting for {waiting_for}")
             if msg["kind"] == "received":
                 self.workers[wid].received[int(msg["version"])] = float(msg["s"])
                 self.workers[wid].version = int(msg["version"])

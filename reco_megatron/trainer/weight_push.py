@@ -129,6 +129,7 @@ class WeightPusher:
                         # moves on: a live worker's receive must outlast all of them
                         "receive_timeout_s": timeout * (1 + len(self.worker_ids)),
                         "heartbeat_s": pool.heartbeat_s,
+                        "generate_timeout_s": float(cfg.rollout.generate_timeout_s),
                     }
                     for wid in self.worker_ids
                 }

@@ -35,6 +35,7 @@ from tests.trainer.test_bad_config import _refused
         ),
         (["rollout.num_workers=0"], "rollout.num_workers must be a positive integer, got 0"),
         (["rollout.worker_timeout_s=0"], "rollout.worker_timeout_s must be a number of seconds"),
+        (["rollout.generate_timeout_s=-1"], "generate_timeout_s must be a number of seconds > 0"),
         (["rollout.placement=elsewhere"], "elsewhere"),
     ],
 )  # fmt: skip
@@ -48,3 +49,18 @@ def test_the_staleness_bound_follows_the_placement() -> None:
     assert RolloutConfig(placement="separate").staleness_bound == 1
     assert RolloutConfig(placement="separate", max_staleness=0).staleness_bound == 0
     assert RolloutConfig(placement="separate", max_staleness=3).staleness_bound == 3
+
+
+def test_the_generation_watch_names_the_request_and_the_bound() -> None:
+    from reco_megatron.rollout.worker import GenerationWatch
+
+    watch = GenerationWatch(limit_s=30)
+    assert watch.overdue() is None  # idle: nothing to overrun
+    watch.begin(7)
+    start = watch._busy[1]
+    assert watch.overdue(now=start + 30) is None
+    why = watch.overdue(now=start + 31)
+    assert why is not None and "request 7 for 31 s" in why
+    assert "rollout.generate_timeout_s=30" in why
+    watch.end()
+    assert watch.overdue(now=start + 1000) is None

@@ -10,6 +10,8 @@
   with the workers gone; a SIGKILLed trainer takes its worker with it within seconds.
 * ``worker_failure=continue``: with two workers, one frozen (SIGSTOP, a hang, not a death)
   is noticed by its silence and the run trains to the end on the other.
+* A worker whose engine hangs in a generation (its heartbeats still come) reports it after
+  ``rollout.generate_timeout_s`` and exits; the run stops resumably naming it.
 
 The run is ``TINY_RUN`` with a reward that has signal without a warm-up (digit share), so the
 updates move the weights from the first step.
@@ -237,6 +239,27 @@ def test_worker_failure_continue_trains_on_after_a_hang(tmp_path: Path) -> None:
     assert [r["step"] for r in rows] == list(range(1, 7))
     assert rows[0]["rollout_workers_alive"] == 2 and rows[-1]["rollout_workers_alive"] == 1
     assert not psutil.pid_exists(frozen.pid) or frozen.status() == "zombie"
+
+
+@MAIN_STACK_ONLY
+def test_a_generation_that_hangs_stops_the_run_naming_the_worker(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    hook = str(Path(__file__).parent / "_hung_engine")
+    env = {**ENV, "PYTHONPATH": f"{hook}{os.pathsep}{ROOT}", "RECO_TEST_HANG_WORKER": "0:3"}
+    extra = ("trainer.max_steps=6", *SEPARATE, "rollout.max_staleness=0")
+    cmd = _cmd(out, *extra, "rollout.generate_timeout_s=4")
+    start = time.monotonic()
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    took = time.monotonic() - start
+    assert done.returncode == 75, done.stderr[-3000:]
+    lines = [ln for ln in done.stderr.splitlines() if "rollout worker 0" in ln and "ERROR" in ln]
+    assert len(lines) == 1 and "has been generating request 2 for" in lines[0], done.stderr[-3000:]
+    assert "rollout.generate_timeout_s=4" in lines[0]
+    assert [r["step"] for r in _rows(out)] == [1, 2]  # the third generation hung
+    assert (out / "checkpoints" / "step_00000002").exists(), "the stop saved a checkpoint"
+    log = (out / "rollout" / "worker-0.log").read_text()
+    assert "has been generating request 2" in log and "exiting" in log
+    assert took < 120, f"the run took {took:.0f} s to stop"
 
 
 def _train(rank: int, world: int, out: str, extra: list[str]) -> int:
