@@ -108,21 +108,16 @@ def test_a_worker_lost_while_its_step_is_collected_hands_that_step_on() -> None:
     assert not book.requests, "the lost worker's requests are forgotten"
 
 
-def test_stop_on_failure_raises_the_lost_worker() -> None:
-    pool = ScriptedPool(2)
-    book = _book(pool, stop=True)
-    pool.frozen.add(1)
+@pytest.mark.parametrize(
+    ("workers", "stop"),
+    [(2, True), (1, False)],  # worker_failure=stop; continue, with no worker left
+)
+def test_a_lost_worker_stops_the_run(workers: int, stop: bool) -> None:
+    pool = ScriptedPool(workers)
+    book = _book(pool, stop=stop)
+    pool.frozen.add(workers - 1)
     book.send_step(1, _drawn(1))
-    with pytest.raises(WorkerLost, match="rollout worker 1 has been silent"):
-        book.collect(1)
-
-
-def test_the_last_worker_lost_stops_the_run_even_with_continue() -> None:
-    pool = ScriptedPool(1)
-    book = _book(pool)
-    pool.frozen.add(0)
-    book.send_step(1, _drawn(1))
-    with pytest.raises(WorkerLost, match="rollout worker 0"):
+    with pytest.raises(WorkerLost, match=f"rollout worker {workers - 1} has been silent"):
         book.collect(1)
 
 
