@@ -8,9 +8,11 @@ every rank so a failure on rank 3 is never hidden.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
+from collections.abc import Iterator
 
 _ROOT = "reco_megatron"
 _configured = False
@@ -81,3 +83,32 @@ def get_logger(name: str) -> logging.Logger:
     if not name.startswith(_ROOT):
         name = f"{_ROOT}.{name}"
     return logging.getLogger(name)
+
+
+@contextlib.contextmanager
+def quiet_third_party_import() -> Iterator[None]:
+    """Import an optional library without letting it take over the process's logging.
+
+    Some libraries configure logging when imported: Megatron-Bridge imports
+    ``megatron.training``, which calls ``logging.basicConfig`` (every INFO record of every
+    library to stdout from then on), and logs each optional symbol it cannot find with a full
+    traceback at INFO. Inside this block, records at INFO and below are dropped (warnings
+    still pass), and the root logger's handlers and level are put back afterwards, so probing
+    whether such a library is usable prints nothing and changes nothing. Meant for a short
+    import at setup: INFO records of other threads in that window are dropped too.
+    """
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    disabled = logging.root.manager.disable
+    logging.disable(max(disabled, logging.INFO))
+    try:
+        yield
+    finally:
+        logging.disable(disabled)
+        for handler in root.handlers:
+            if handler not in handlers:
+                root.removeHandler(handler)
+        for handler in handlers:
+            if handler not in root.handlers:
+                root.addHandler(handler)
+        root.setLevel(level)

@@ -68,8 +68,11 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
-def install() -> bool:
-    """True when ``megatron.bridge`` is importable afterwards (natively or via the shim)."""
+def install(probe: bool = True) -> bool:
+    """True when ``megatron.bridge`` is importable afterwards (natively or via the shim).
+
+    ``probe=False`` only puts the unpacked wheel in place (and returns True), leaving the first
+    ``import megatron.bridge`` of the process to the caller."""
     import megatron.core  # the real namespace package first
     import transformers  # noqa: F401
 
@@ -82,6 +85,8 @@ def install() -> bool:
         bridge_pkg = os.path.join(src, "megatron")
         if bridge_pkg not in list(megatron.__path__):
             megatron.__path__.append(bridge_pkg)
+    if not probe:
+        return True
     try:
         from megatron.bridge import AutoBridge  # noqa: F401
     except Exception:

@@ -34,7 +34,7 @@ from reco_megatron.megatron.hf.checkpoint import check_hf_checkpoint
 from reco_megatron.megatron.hf.config import hf_config_from_model_config
 from reco_megatron.megatron.hf.convert import LM_HEAD
 from reco_megatron.megatron.model.config import ModelConfig
-from reco_megatron.utils.logging import get_logger
+from reco_megatron.utils.logging import get_logger, quiet_third_party_import
 
 logger = get_logger(__name__)
 
@@ -44,10 +44,12 @@ def bridge_import_error() -> str | None:
     """``None`` when ``from megatron.bridge import AutoBridge`` works, else why not.
 
     Any exception counts: a bridge whose pinned ``transformers`` or transformer-engine is
-    missing fails with ``ModuleNotFoundError`` or ``AttributeError`` deep in its imports.
+    missing fails with ``ModuleNotFoundError`` or ``AttributeError`` deep in its imports. The
+    probe prints nothing and leaves the process's logging as it was.
     """
     try:
-        from megatron.bridge import AutoBridge  # noqa: F401
+        with quiet_third_party_import():  # it logs tracebacks at INFO and sets up logging
+            from megatron.bridge import AutoBridge  # noqa: F401
     except Exception as err:  # any import failure means "not usable here"
         return f"{type(err).__name__}: {err}"
     return None
