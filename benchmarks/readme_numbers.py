@@ -238,9 +238,11 @@ def render(summary: dict[str, Any]) -> str:
         "MKL's reproducibility mode (`ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=COMPATIBLE`), which "
         "give these metrics bit for bit on any x86-64 CPU with AVX2 of the same vendor "
         f"(these on an {s['cpu']['model']}) and "
-        "the same package versions; command 1 as written uses your CPU's best kernels and "
-        "other versions round differently, which 60 RL steps amplify into other numbers "
-        "(prefix it with those two variables to see these). Wall times vary with the load."
+        "the same package versions; command 1 as written uses your CPU's best kernels, "
+        "which round differently, and 60 RL steps amplify that into other numbers (prefix it "
+        "with those two variables to see these). Other package versions may round "
+        "differently too: `--check` fails when the numbers differ and names every version "
+        "that changed. Wall times vary with the load."
     )
     for other in vendor_runs():
         if other["cpu"].get("vendor") == s["cpu"].get("vendor"):
@@ -280,13 +282,20 @@ def write_readme(summary: dict[str, Any]) -> None:
     README.write_text(text.replace(readme_block(text), render(summary)), encoding="utf-8")
 
 
-def compare(stored: dict[str, Any], fresh: dict[str, Any]) -> list[str]:
-    """Differences between two runs in what the README prints (3 decimals)."""
-    problems = [
+def stack_changes(stored: dict[str, Any], fresh: dict[str, Any]) -> list[str]:
+    """Package versions that differ between the stored run and this one."""
+    return [
         f"stack: stored {name} {stored['stack'].get(name)}, this run {value}"
         for name, value in fresh["stack"].items()
         if stored["stack"].get(name) != value
     ]
+
+
+def compare(stored: dict[str, Any], fresh: dict[str, Any]) -> list[str]:
+    """Differences between two runs in what the README prints (3 decimals) and in the per-step
+    series (bit for bit). A newer package that gives the same numbers is not a difference:
+    ``--check`` names it beside the result, and names it as the likely cause of a mismatch."""
+    problems = []
     for key in ("reward_first", "reward_last", "distinct_first", "distinct_last"):
         if f"{stored[key]:.3f}" != f"{fresh[key]:.3f}":
             problems.append(f"{key}: README/stored {stored[key]:.3f}, this run {fresh[key]:.3f}")
@@ -339,9 +348,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         path, stored = reference
         print(f"comparing with {path.relative_to(ROOT)} (this CPU: {vendor})")
-        problems = compare(stored, fresh)
-        for line in problems:
+        problems, changes = compare(stored, fresh), stack_changes(stored, fresh)
+        for line in problems + changes:
             print(line)
+        if changes and not problems:
+            print("the stored numbers hold on this stack too (the README names the stored one)")
         print(
             "README numbers:",
             "STALE, run python benchmarks/readme_numbers.py" if problems else "ok",

@@ -95,6 +95,12 @@ def test_render_words_follow_the_numbers() -> None:
     assert "does not rise" in text and "does not fall" in text and "sharpens" not in text
     assert script.compare(stored, stored) == []
     assert script.compare(stored, {**stored, "reward_last": stored["reward_last"] + 0.01})
+    # A newer package with the same numbers is named, not a failure.
+    newer = {**stored, "stack": {**stored["stack"], "transformers": "99.0.0"}}
+    assert script.compare(stored, newer) == []
+    assert script.stack_changes(stored, newer) == [
+        f"stack: stored transformers {stored['stack']['transformers']}, this run 99.0.0"
+    ]
 
 
 def _short_run(tmp_path: Path, name: str, env: dict[str, str]) -> list[dict]:
