@@ -241,6 +241,7 @@ def test_no_module_inside_megatron_imports_its_face() -> None:
     assert not offenders, offenders
 
 
+@pytest.mark.dist
 def test_the_face_exports_resolve_and_load_nothing_heavy() -> None:
     """Every exported name exists where the face says, and importing the face loads no torch
     and no megatron-core (its names load on first use)."""
@@ -306,6 +307,7 @@ def test_checkpoint_modules_import_each_other_not_the_package() -> None:
     assert not offenders, offenders
 
 
+@pytest.mark.dist
 def test_megatron_bridge_is_never_imported_at_import_time() -> None:
     """Neither ``megatron.bridge`` nor our ``hf.bridge`` at module level, anywhere; and
     importing every module below the trainer loads neither (a fresh interpreter)."""

@@ -69,6 +69,7 @@ def test_bad_layouts_fail_fast(overrides: list[str], nodes: int, needle: str) ->
         check_layout(EXAMPLE, overrides, nnodes=nodes, nproc_per_node=8, gpus_per_node=8)
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("nodes", [4])  # 2 nodes: test_layout_fits (in-process, no torch start)
 def test_slurm_dry_run(tmp_path: Path, nodes: int) -> None:
     env = _fake_allocation(tmp_path, [f"gpu{i:03d}" for i in range(1, nodes + 1)])

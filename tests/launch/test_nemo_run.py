@@ -94,6 +94,7 @@ def test_slurm_executor_sbatch_script(nemorun_home: Path) -> None:
     ) in text
 
 
+@pytest.mark.dist
 @needs_nemo_run
 def test_local_executor_tiny_two_processes(nemorun_home: Path) -> None:
     from launch.executors import local_executor
@@ -152,6 +153,7 @@ def test_dryrun_impossible_layout_exits_2_and_creates_nothing(nemorun_home: Path
     assert not (nemorun_home / "nemorun").exists()
 
 
+@pytest.mark.dist
 @needs_nemo_run
 def test_dryrun_prints_unwrapped_scripts_and_leaves_no_folder(nemorun_home: Path, capsys) -> None:
     home = nemorun_home / "nemorun"

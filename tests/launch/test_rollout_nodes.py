@@ -16,6 +16,8 @@ import pytest
 from reco_megatron import launch_check
 from tests.launch.test_slurm_scripts import ROOT, _dry_run, _fake_allocation
 
+pytestmark = pytest.mark.dist
+
 LLAMA8B = "examples/llama3.1-8b-instruct.yaml"
 TIS = "loss.tis_cap=2.0"  # the examples keep K = 1 stale groups, which need the TIS cap
 

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.dist
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = [*sorted((ROOT / "slurm").glob("*.sh")), ROOT / "slurm/reco.sbatch"]
 

@@ -111,6 +111,7 @@ def test_unwritable_output_dir_exits_2(tmp_path: Path, capsys) -> None:
     assert code == 2 and "is not writable" in err and "Traceback" not in err
 
 
+@pytest.mark.dist
 def test_the_issue_repro_in_a_real_process(tmp_path: Path) -> None:
     """``parallel.tensor_model_parallel_size=3`` in one process: exit 2, one message, no
     traceback, no directory (it used to exit 1 with a ``[rank0]:`` traceback)."""

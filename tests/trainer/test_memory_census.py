@@ -25,6 +25,8 @@ from reco_megatron.megatron.hf.convert import hf_shapes
 from reco_megatron.trainer.config import TrainConfig
 from reco_megatron.trainer.memory_check import TOLERANCE
 
+pytestmark = pytest.mark.dist
+
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = [
     "model.params_dtype=float32",

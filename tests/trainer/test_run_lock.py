@@ -114,6 +114,7 @@ def test_a_failed_start_leaves_no_directory_behind(tmp_path) -> None:
     assert sorted(p.name for p in out.iterdir()) == ["data", LOCK_NAME]
 
 
+@pytest.mark.dist
 def test_second_trainer_exits_2_and_deletes_nothing(tmp_path) -> None:
     """Before: the second trainer removed the first one's in-progress save as debris."""
     out = tmp_path / "run"
