@@ -202,6 +202,7 @@ def test_a_quiet_import_drops_info_keeps_warnings_and_restores_root_logging(caps
 
 
 @pytest.mark.bridge
+@pytest.mark.dist
 def test_probing_the_real_bridge_prints_nothing_and_leaves_logging_alone() -> None:
     """Megatron-Bridge 0.6.2 with transformers >= 5.25 logs a traceback at INFO while importing
     and configures the root logger (``megatron.training``); a run only asks whether it imports."""
