@@ -293,8 +293,8 @@ def stack_changes(stored: dict[str, Any], fresh: dict[str, Any]) -> list[str]:
 
 def compare(stored: dict[str, Any], fresh: dict[str, Any]) -> list[str]:
     """Differences between two runs in what the README prints (3 decimals) and in the per-step
-    series (bit for bit). A newer package that gives the same numbers is not a difference:
-    ``--check`` names it beside the result, and names it as the likely cause of a mismatch."""
+    series (bit for bit). A package version is not compared here (:func:`stack_changes`):
+    ``--check`` prints the changed ones beside the result, a likely cause of any mismatch."""
     problems = []
     for key in ("reward_first", "reward_last", "distinct_first", "distinct_last"):
         if f"{stored[key]:.3f}" != f"{fresh[key]:.3f}":

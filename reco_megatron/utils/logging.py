@@ -105,10 +105,5 @@ def quiet_third_party_import() -> Iterator[None]:
         yield
     finally:
         logging.disable(disabled)
-        for handler in root.handlers:
-            if handler not in handlers:
-                root.removeHandler(handler)
-        for handler in handlers:
-            if handler not in root.handlers:
-                root.addHandler(handler)
+        root.handlers[:] = handlers
         root.setLevel(level)
