@@ -49,7 +49,7 @@ from reco_megatron.utils.noise import quiet_known_warnings
 
 if TYPE_CHECKING:
     from reco_megatron.trainer.config import TrainConfig
-    from reco_megatron.trainer.stop_signals import StopSignals
+    from reco_megatron.trainer.lifecycle import StopSignals
 
 logger = get_logger(__name__)
 
@@ -93,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         _report("invalid configuration", exc)
         return EXIT_BAD_CONFIG
-    from reco_megatron.trainer.stop_signals import StopSignals
+    from reco_megatron.trainer.lifecycle import StopSignals
 
     signals = StopSignals()  # installed after the pre-flight, kept until main returns
     try:
@@ -106,11 +106,14 @@ def _train(cfg: TrainConfig, signals: StopSignals) -> int:
     """Build the trainer and run it; the exit status (see the module doc)."""
     from reco_megatron.megatron import CheckpointError
     from reco_megatron.rewards.registry import RewardSpecError
-    from reco_megatron.trainer.guards import StabilityStop
+    from reco_megatron.trainer.lifecycle import (
+        RunAborted,
+        RunLockError,
+        StabilityStop,
+        report_abort,
+    )
     from reco_megatron.trainer.loop import Trainer
-    from reco_megatron.trainer.run_lock import RunLockError
-    from reco_megatron.trainer.stop_signals import RunAborted, report_abort
-    from reco_megatron.trainer.summary import process_seconds, summary_lines
+    from reco_megatron.trainer.reporting import process_seconds, summary_lines
 
     try:
         trainer = Trainer(cfg, signals)

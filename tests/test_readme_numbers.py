@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from reco_megatron.trainer.step_metrics import is_wall_clock
+from reco_megatron.trainer.reporting import is_wall_clock
 
 ROOT = Path(__file__).resolve().parents[1]
 RERUN = "stale: run `python benchmarks/readme_numbers.py` and commit README.md + the JSON"

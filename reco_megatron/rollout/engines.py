@@ -1,7 +1,7 @@
 """The one factory of the rollout engines that hold their own copy of the weights
 (``embedded``: transformers; ``vllm``), for training and evaluation alike.
 
-Training (``reco_megatron.trainer.rollout_engines``) builds them from the policy's
+Training (``reco_megatron.trainer.orchestration.engines``) builds them from the policy's
 architecture without weights (the first weight sync fills them) and
 colocated with Megatron on the same GPUs; evaluation (``reco-eval``) builds them from a
 Hugging Face directory's weights, alone on its GPUs. The ``megatron`` engine decodes on the

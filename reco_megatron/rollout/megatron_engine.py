@@ -13,8 +13,8 @@ kernels, right padding with true positions, see ``docs/rollout.md``).
 
 Weights: the decoder reads the trainer's live parameters, so there is nothing to load.
 :meth:`MegatronEngine.update_weights` takes an *empty* stream (what
-:func:`reco_megatron.trainer.rollout_engines.sync_weights` sends it) and refuses tensors: pushing
-converted weights into the training model would silently overwrite the policy.
+:func:`reco_megatron.trainer.orchestration.engines.sync_weights` sends it) and refuses
+tensors: pushing converted weights into the training model would silently overwrite the policy.
 """
 
 from __future__ import annotations

@@ -30,7 +30,6 @@ from reco_megatron.megatron import (
     round_up,
 )
 from reco_megatron.rewards.pool import RewardPoolConfig
-from reco_megatron.trainer.guards import StabilityConfig
 from reco_megatron.trainer.rollout_config import RolloutConfig
 from reco_megatron.trainer.sections import (
     CheckpointConfig,
@@ -38,6 +37,7 @@ from reco_megatron.trainer.sections import (
     DataConfig,
     PromptFilesConfig,
     SFTConfig,
+    StabilityConfig,
     TrainerConfig,
 )
 from reco_megatron.trainer.value_ranges import check_ranges

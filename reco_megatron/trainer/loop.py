@@ -32,27 +32,39 @@ from reco_megatron.megatron import (
 )
 from reco_megatron.parallel.collectives import collective_device
 from reco_megatron.rewards.pool import RewardPool
-from reco_megatron.trainer import reward_health, setup
+from reco_megatron.trainer import setup
 from reco_megatron.trainer.config import TrainConfig
-from reco_megatron.trainer.config_history import CONFIG_HEADER, ResumeCheck
-from reco_megatron.trainer.guards import DeadRunGuard, StabilityGuard, unparsable_count
-from reco_megatron.trainer.metrics_writer import (
-    MetricsWriter,
-    plot_training_curves,
-    truncate_jsonl,
+from reco_megatron.trainer.lifecycle import (
+    CONFIG_HEADER,
+    EXIT_RESUMABLE,
+    DeadRunGuard,
+    ResumeCheck,
+    RunLock,
+    StabilityGuard,
+    StopSignals,
+    stop_here,
+    take_run_directory,
+    unparsable_count,
+)
+from reco_megatron.trainer.orchestration import (
+    PromptSource,
+    RolloutSource,
+    WorkerLost,
+    build_rollout_batch,
+    build_rollout_source,
 )
 from reco_megatron.trainer.preflight import Checked, preflight
-from reco_megatron.trainer.progress import announce_startup
-from reco_megatron.trainer.rollout_batch import build_rollout_batch
-from reco_megatron.trainer.rollout_engines import build_rollout_source
-from reco_megatron.trainer.rollout_source import PromptSource, RolloutSource
-from reco_megatron.trainer.rollout_workers import WorkerLost
-from reco_megatron.trainer.run_dir import take_run_directory
-from reco_megatron.trainer.run_lock import RunLock
+from reco_megatron.trainer.reporting import (
+    MetricsWriter,
+    announce_startup,
+    global_row,
+    plot_training_curves,
+    reward_health,
+    rollout_counters,
+    truncate_jsonl,
+)
 from reco_megatron.trainer.setup import initialise_weights
 from reco_megatron.trainer.sft_warmup import run_warmup
-from reco_megatron.trainer.step_metrics import global_row, rollout_counters
-from reco_megatron.trainer.stop_signals import EXIT_RESUMABLE, StopSignals, stop_here
 from reco_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)

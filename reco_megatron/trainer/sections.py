@@ -9,13 +9,103 @@ of ``algo``, ...), and every check that relates two sections is
 
 from __future__ import annotations
 
+import importlib.util
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 from reco_megatron.data.countdown import CountdownStyle
 from reco_megatron.data.dataset import DatasetConfig
-from reco_megatron.trainer import loggers
-from reco_megatron.trainer.loggers import LoggerName
+
+Action = Literal["warn", "skip", "stop"]
+
+LoggerName = Literal["tensorboard", "wandb", "mlflow"]
+LOGGERS: tuple[str, ...] = ("tensorboard", "wandb", "mlflow")
+MODULES: dict[str, str] = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+"""The module each logger needs."""
+INSTALL: dict[str, str] = {
+    "tensorboard": "pip install tensorboard",
+    "wandb": 'pip install wandb (or pip install -e ".[loggers]")',
+    "mlflow": 'pip install mlflow-skinny (or pip install -e ".[loggers]")',
+}
+
+
+def missing(names: Sequence[str]) -> list[str]:
+    """The loggers of ``names`` whose package cannot be imported, with how to install it."""
+    return [f"{n}: {INSTALL[n]}" for n in names if importlib.util.find_spec(MODULES[n]) is None]
+
+
+@dataclass(kw_only=True)
+class StabilityConfig:
+    """Thresholds on per-step ReCo quantities and the action taken when one is crossed."""
+
+    max_consecutive_skips: int = 5
+    """Stop the run after this many consecutive skipped optimizer steps (NaN/Inf or guards)."""
+    token_ratio_max: float | None = None
+    """Largest raw ReCo token ratio c (before any cap) allowed; ``None`` (default): the loss's
+    ``c_max``, so a warning whenever the value cap binds. A raw c far above 1 means a
+    near-certain token (p_old near 1) lost probability: ``c = r (1-p)/(1-p_old)``."""
+    token_ratio_action: Action = "warn"
+    """Action when ``token_ratio_max`` is exceeded."""
+    ratio_max: float = 1e3
+    """Largest importance ratio r = p / p_old before the clip; a blow-up means a policy jump."""
+    ratio_action: Action = "skip"
+    """Action when ``ratio_max`` is exceeded."""
+    weight_ess_min: float = 0.05
+    """Smallest effective sample size of the response weights (1 = uniform)."""
+    weight_ess_action: Action = "warn"
+    """Action when the ESS falls below ``weight_ess_min``."""
+    kl_old_new_max: float = 1.0
+    """Largest KL(old || new) estimate within one rollout batch."""
+    kl_action: Action = "warn"
+    """Action when ``kl_old_new_max`` is exceeded."""
+    entropy_min: float = 0.0
+    """Smallest mean token entropy (nats); collapse towards 0 means no exploration (0: off)."""
+    entropy_action: Action = "warn"
+    """Action when the entropy falls below ``entropy_min``."""
+    dead_run_steps: int = 5
+    """A run that has earned a reward is *dead* after this many consecutive steps in which
+    every reward is 0 or more than ``dead_run_unparsable_frac`` of the responses have an
+    answer the reward cannot parse: every advantage is 0 and nothing brings it back
+    (``docs/stability.md``). 0 turns the check off."""
+    dead_run_unparsable_frac: float = 0.25
+    """Share of a step's responses with an unparsable answer (the reward's ``parse_failure``
+    verdict) that counts as a dead step (in (0, 1])."""
+    dead_run_action: Literal["warn", "stop"] = "stop"
+    """``stop``: exit with status 3 and one line naming the last checkpoint saved before the
+    run died; ``warn``: log that line and go on (e.g. to study a collapse)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_consecutive_skips, int) or self.max_consecutive_skips < 1:
+            raise ValueError(
+                f"stability.max_consecutive_skips must be >= 1, got {self.max_consecutive_skips!r}"
+            )
+        if not isinstance(self.dead_run_steps, int) or self.dead_run_steps < 0:
+            raise ValueError(
+                f"stability.dead_run_steps must be an integer >= 0 (0: off), got "
+                f"{self.dead_run_steps!r}"
+            )
+        if not 0.0 < self.dead_run_unparsable_frac <= 1.0:
+            raise ValueError(
+                f"stability.dead_run_unparsable_frac must be in (0, 1], got "
+                f"{self.dead_run_unparsable_frac!r} (1.0 counts only steps where every reward "
+                "is 0)"
+            )
+        if self.dead_run_action not in ("warn", "stop"):
+            raise ValueError(
+                f"stability.dead_run_action must be warn or stop, got {self.dead_run_action!r}"
+            )
+        if self.token_ratio_max is not None and not self.token_ratio_max >= 1.0:
+            raise ValueError(
+                f"stability.token_ratio_max must be >= 1 or None (= loss.c_max), got "
+                f"{self.token_ratio_max!r}: c == 1 at the old policy"
+            )
+        for name in ("token_ratio", "ratio", "weight_ess", "kl", "entropy"):
+            action = getattr(self, f"{name}_action")
+            if action not in ("warn", "skip", "stop"):
+                raise ValueError(
+                    f"stability.{name}_action must be warn, skip or stop, got {action!r}"
+                )
 
 
 def _check_ints(obj: object, hints: dict[str, str] | None = None, **minimum: int) -> None:
@@ -159,7 +249,7 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         _check_ints(self, {"max_steps": "0 runs the SFT warm-up only"}, max_steps=0, log_interval=1)
-        absent = loggers.missing([n for n in self.loggers if n != "tensorboard"])
+        absent = missing([n for n in self.loggers if n != "tensorboard"])
         if absent:
             raise ValueError(
                 f"loggers={self.loggers} but not installed: {'; '.join(absent)}; or remove it "

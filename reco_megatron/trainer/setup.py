@@ -1,14 +1,13 @@
-"""Start-up pieces of a run, and the trainer's one door to the checkpoint code.
+"""Start-up pieces of a run, and the trainer's door to the checkpoint code.
 
 Output directory checks, prompt data, SFT batches, the HF weight converter, and where a run's
 weights and loop state come from (:func:`initialise_weights`): resume from the run directory's
 ``checkpoints/latest`` (``checkpoint.resume``; the config diff was checked before, by
-:class:`~reco_megatron.trainer.config_history.ResumeCheck`), else initialise the engine from
-``checkpoint.init_megatron`` (a reco-megatron checkpoint, any TP/PP) or ``checkpoint.init_hf``
+:class:`~reco_megatron.trainer.lifecycle.config_history.ResumeCheck`), else initialise the engine
+from ``checkpoint.init_megatron`` (a reco-megatron checkpoint, any TP/PP) or ``checkpoint.init_hf``
 (a Hugging Face checkpoint), else keep the seeded initial weights. The other trainer modules
-read checkpoints through the small functions at the end (:func:`latest_trainer_state`,
-:func:`saved_model_layout`, :func:`clean_aborted_save`), so that only this module of theirs
-imports the checkpoint code.
+read checkpoints through :func:`saved_model_layout`; the run's life (``lifecycle``) has its
+own small door for what a resume reads and the cleanup after an aborted save.
 """
 
 from __future__ import annotations
@@ -39,7 +38,7 @@ from reco_megatron.megatron import (
 )
 from reco_megatron.parallel.batch import RolloutBatch
 from reco_megatron.trainer.config import CountdownConfig, TrainConfig
-from reco_megatron.trainer.weight_sync import RolloutClient
+from reco_megatron.trainer.orchestration import RolloutClient
 from reco_megatron.utils.logging import get_logger
 
 if TYPE_CHECKING:
@@ -234,7 +233,7 @@ def coverage_evaluator(
 # ------------------------------------------------------------------ the weights it starts from
 class LoadedCheck(Protocol):
     """What :func:`initialise_weights` needs of the resume check
-    (:class:`~reco_megatron.trainer.config_history.ResumeCheck`)."""
+    (:class:`~reco_megatron.trainer.lifecycle.config_history.ResumeCheck`)."""
 
     def check_loaded(self, name: str, state: dict[str, Any]) -> None:
         """Check the config against the trainer state of the checkpoint actually loaded."""
@@ -301,16 +300,6 @@ def _resolve(path: str) -> Path:
 
 
 # ------------------------------------------------------------------ reading checkpoints
-def latest_trainer_state(root: Path) -> tuple[str | None, dict[str, Any] | None]:
-    """Name and trainer state (plain JSON) of the checkpoint ``root/latest`` names, or
-    ``(None, None)`` when there is none or it cannot be read (the resume then says why)."""
-    try:
-        path = latest_checkpoint(root)
-        return (path.name, read_meta(path).get("trainer_state") or {}) if path else (None, None)
-    except CheckpointError:
-        return None, None
-
-
 def saved_model_layout(path: Path) -> tuple[dict[str, Any] | None, str | None]:
     """The model layout (``meta.json``'s ``layout.model``) of the checkpoint at ``path`` (or
     of the one its ``latest`` names): ``(layout, None)``, or ``(None, why it cannot be read)``."""
@@ -320,17 +309,3 @@ def saved_model_layout(path: Path) -> tuple[dict[str, Any] | None, str | None]:
         return read_meta(path)["layout"]["model"], None
     except (CheckpointError, KeyError, TypeError) as exc:
         return None, str(exc)
-
-
-def clean_aborted_save(root: Path, run_id: str | None) -> tuple[list[str], Path | None]:
-    """After a save cut short: remove the partial checkpoints of run ``run_id`` under ``root``
-    (None: not a marked run, nothing removed); returns their names and the newest complete
-    checkpoint left (None: none, or ``latest`` is damaged)."""
-    removed = []
-    if root.is_dir() and run_id is not None:
-        removed = remove_partial_checkpoints(root, quiet=True, run_id=run_id)
-    try:
-        latest = latest_checkpoint(root)
-    except CheckpointError:
-        latest = None
-    return removed, latest

@@ -20,8 +20,8 @@ from reco_megatron.data.tokenizer import Tokenizer
 from reco_megatron.parallel.batch import RolloutBatch, data_parallel_share
 from reco_megatron.trainer import setup
 from reco_megatron.trainer.config import TrainConfig
-from reco_megatron.trainer.progress import sft_progress
-from reco_megatron.trainer.stop_signals import StopSignals, stop_agreed
+from reco_megatron.trainer.lifecycle import StopSignals, stop_agreed
+from reco_megatron.trainer.reporting import sft_progress
 from reco_megatron.utils.logging import get_logger
 
 __all__ = ["Warmup", "run_warmup"]

@@ -42,7 +42,7 @@ def logprob_gap_body(
     """Generate, then teacher-force the same tokens through the trainer's old-policy pass;
     returns (max |rollout - trainer| over response tokens, number of tokens) on the last stage.
     ``sp``: the trainer runs with sequence parallelism (the decoder switches it off)."""
-    from reco_megatron.trainer.rollout_batch import build_rollout_batch
+    from reco_megatron.trainer.orchestration import build_rollout_batch
     from tests.megatron._reco import build_engine
 
     engine = build_engine(tp=tp, pp=pp, micro_batch_size=2, sequence_parallel=sp)

@@ -36,7 +36,7 @@ def _generate_and_train(ep, mode, tp=1):
 
     from reco_megatron.megatron.decoding.decoder import MegatronDecoder
     from reco_megatron.rollout.megatron_engine import MegatronEngine, MegatronEngineConfig
-    from reco_megatron.trainer.rollout_batch import build_rollout_batch
+    from reco_megatron.trainer.orchestration import build_rollout_batch
 
     engine = _moe.build_engine(tp=tp, ep=ep, routing_replay=mode)  # TP > 1: with SP
     dp = ps.get_data_parallel_rank()

@@ -16,7 +16,7 @@ from reco_megatron.rollout import EmbeddedEngine, SamplingParams
 from reco_megatron.rollout.base import per_prompt_sampling
 from reco_megatron.rollout.sampling import draw_noise, group_by_setting
 from reco_megatron.rollout.vllm_engine import request_seeds
-from reco_megatron.trainer.weight_sync import RolloutClient
+from reco_megatron.trainer.orchestration import RolloutClient
 
 PROMPTS = [[5, 6, 7], [1, 9, 10, 11], [4], [3, 3, 3, 3, 3, 3, 3], [8, 2]]
 SEEDS = [101, 7, 55, 7_000_003, 12]

@@ -65,7 +65,7 @@ def test_warning_names_the_phase_and_the_fix() -> None:
 
 
 def test_docs_table_is_the_codes() -> None:
-    """docs/rollout.md shows the table ``python -m reco_megatron.trainer.memory`` prints."""
+    """docs/rollout.md shows the table ``python -m reco_megatron.trainer.memory.budget`` prints."""
     from pathlib import Path
 
     from reco_megatron.megatron.memory.estimate import colocation_table
@@ -81,7 +81,7 @@ def test_start_up_check_reads_the_device_and_warns(monkeypatch) -> None:
 
     import torch
 
-    from reco_megatron.trainer.rollout_engines import warn_if_colocation_overflows
+    from reco_megatron.trainer.orchestration import warn_if_colocation_overflows
 
     cfg = load_config(TrainConfig, "examples/llama3.1-8b-instruct.yaml", [])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

@@ -42,7 +42,7 @@ import pytest
 from reco_megatron.config.loader import read_yaml
 from reco_megatron.testing import run_distributed
 from reco_megatron.train import main
-from reco_megatron.trainer.step_metrics import is_wall_clock
+from reco_megatron.trainer.reporting import is_wall_clock
 from tests.tiny_overrides import TINY_RUN
 
 pytestmark = [pytest.mark.layouts, pytest.mark.dist, pytest.mark.slow]

@@ -27,7 +27,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from reco_megatron.trainer.step_metrics import is_wall_clock
+from reco_megatron.trainer.reporting import is_wall_clock
 from tests.tiny_overrides import TINY_RUN
 from tests.tmpfs import fill, small_tmpfs
 

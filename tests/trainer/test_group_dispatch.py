@@ -10,9 +10,8 @@ from typing import Any
 import pytest
 
 from reco_megatron.rollout.base import SamplingParams
-from reco_megatron.trainer.group_dispatch import GroupDispatcher
-from reco_megatron.trainer.rollout_source import StepPrompts, prompt_seed
-from reco_megatron.trainer.rollout_workers import WorkerLost
+from reco_megatron.trainer.orchestration import StepPrompts, WorkerLost, prompt_seed
+from reco_megatron.trainer.orchestration.dispatch import GroupDispatcher
 
 
 class ScriptedPool:

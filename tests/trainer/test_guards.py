@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from reco_megatron.testing import run_distributed
-from reco_megatron.trainer.guards import (
+from reco_megatron.trainer.lifecycle.guards import (
     DeadRunGuard,
     DeadRunStop,
     StabilityConfig,

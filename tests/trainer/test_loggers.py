@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 
 from reco_megatron.config import ConfigError, load_config
-from reco_megatron.trainer import loggers
 from reco_megatron.trainer.config import TrainConfig
-from reco_megatron.trainer.metrics_writer import MetricsWriter
+from reco_megatron.trainer.reporting import MetricsWriter, loggers
 
 ROWS = [{"step": s, "reward_mean": 0.1 * s, "pass@4": 0.5, "note": "x"} for s in (1, 2, 3)]
 

@@ -23,7 +23,7 @@ import pytest
 from reco_megatron.config import load_config
 from reco_megatron.megatron.hf.convert import hf_shapes
 from reco_megatron.trainer.config import TrainConfig
-from reco_megatron.trainer.memory_check import TOLERANCE
+from reco_megatron.trainer.memory import TOLERANCE
 
 pytestmark = pytest.mark.dist
 
@@ -37,7 +37,7 @@ SCRIPT = f"""
 import json, sys
 from dataclasses import asdict
 from reco_megatron.trainer.memory import EXAMPLES
-from reco_megatron.trainer.memory_check import compare
+from reco_megatron.trainer.memory import compare
 small = compare([("1.5B (PP 2, fp32)", "examples/qwen2.5-math-1.5b.yaml", 2)], {SMALL!r})
 rows = [{{**asdict(c), "worst": c.worst}} for c in compare(list(EXAMPLES)) + small]
 sys.stdout.write("RESULT" + json.dumps(rows) + "\\n")

@@ -13,7 +13,12 @@ import pytest
 pytest.importorskip("matplotlib")
 
 from reco_megatron.eval import report
-from reco_megatron.trainer.plots import RAW_ALPHA, plot_training_curves, smooth, training_figure
+from reco_megatron.trainer.reporting.plots import (
+    RAW_ALPHA,
+    plot_training_curves,
+    smooth,
+    training_figure,
+)
 
 
 def _rows(n: int = 60) -> list[dict]:

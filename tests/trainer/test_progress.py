@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from reco_megatron.trainer import progress as progress_mod
-from reco_megatron.trainer.progress import StepProgress, can_draw_bar, format_seconds
-from reco_megatron.trainer.summary import summary_lines
+from reco_megatron.trainer.reporting import progress as progress_mod
+from reco_megatron.trainer.reporting import summary_lines
+from reco_megatron.trainer.reporting.progress import StepProgress, can_draw_bar, format_seconds
 
 
 class _Clock:

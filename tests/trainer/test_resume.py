@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from reco_megatron.trainer.step_metrics import is_wall_clock
+from reco_megatron.trainer.reporting import is_wall_clock
 from tests.trainer.test_loop import TINY
 
 pytestmark = pytest.mark.slow

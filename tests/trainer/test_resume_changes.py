@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from reco_megatron.trainer.config_history import diff_configs, is_safe
+from reco_megatron.trainer.lifecycle.config_history import diff_configs, is_safe
 from tests.tiny_overrides import TINY_RUN
 
 ROOT = Path(__file__).resolve().parents[2]

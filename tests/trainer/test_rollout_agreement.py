@@ -1,5 +1,5 @@
 """Every rank of a model-parallel group trains on the first rank's tokens when engines disagree
-(``reco_megatron/trainer/rollout_agreement.py``), and nothing moves when they agree."""
+(``reco_megatron/trainer/orchestration/agreement.py``), and nothing moves when they agree."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from reco_megatron.rollout.base import Completion
 from reco_megatron.testing.multiprocess import run_distributed
-from reco_megatron.trainer.rollout_agreement import completions_fingerprint
+from reco_megatron.trainer.orchestration import completions_fingerprint
 
 
 def _completions(tokens: list[list[list[int]]], logprob: float = -1.0) -> list[list[Completion]]:
@@ -48,7 +48,7 @@ def test_fingerprint_sees_tokens_finish_and_grouping_but_not_logprobs() -> None:
 def _agree_body(rank: int, world_size: int, differ: bool) -> tuple[list[list[int]], bool]:
     import torch.distributed as dist
 
-    from reco_megatron.trainer.rollout_agreement import agree_on_completions
+    from reco_megatron.trainer.orchestration import agree_on_completions
 
     tokens = [[list(g) for g in group] for group in BASE]
     if differ and rank == 1:
@@ -68,7 +68,7 @@ def test_ranks_train_on_the_first_ranks_tokens(differ: bool) -> None:
 
 
 def test_single_process_is_a_no_op() -> None:
-    from reco_megatron.trainer.rollout_agreement import agree_on_completions
+    from reco_megatron.trainer.orchestration import agree_on_completions
 
     completions = _completions(BASE)
     assert agree_on_completions(completions, None) == (completions, False)

@@ -8,7 +8,7 @@ from reco_megatron.megatron.hf.config import model_config_from_hf
 from reco_megatron.megatron.hf.convert import hf_shapes
 from reco_megatron.rollout import SamplingParams, VLLMEngine, VLLMEngineConfig
 from reco_megatron.rollout.weight_check import WeightStreamError
-from reco_megatron.trainer.weight_sync import RolloutClient
+from reco_megatron.trainer.orchestration import RolloutClient
 from tests.rollout import fake_vllm
 from tests.rollout._tiny import TINY_LLAMA, tiny_model
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from reco_megatron.config import load_config
 from reco_megatron.megatron.hf.config import hf_config_from_model_config, model_config_from_hf
 from reco_megatron.trainer.config import TrainConfig
-from reco_megatron.trainer.rollout_engines import write_rollout_model_dir
+from reco_megatron.trainer.orchestration import write_rollout_model_dir
 
 
 def test_rollout_model_dir_describes_the_policy(tmp_path: Path) -> None:

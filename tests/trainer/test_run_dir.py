@@ -1,5 +1,5 @@
 """A run directory is the trainer's only when it proves it: nothing the trainer did not write
-is overwritten, moved or deleted (``reco_megatron.trainer.run_dir``)."""
+is overwritten, moved or deleted (``reco_megatron.trainer.lifecycle.run_dir``)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,8 @@ from reco_megatron.config import ConfigError
 from reco_megatron.megatron.checkpoint.ownership import mark_owner
 from reco_megatron.megatron.checkpoint.resume import remove_partial_checkpoints
 from reco_megatron.train import main
-from reco_megatron.trainer import run_dir
-from reco_megatron.trainer.run_dir import take_run_directory
-from reco_megatron.trainer.run_lock import LOCK_NAME, RunLock
+from reco_megatron.trainer.lifecycle import run_dir, take_run_directory
+from reco_megatron.trainer.lifecycle.run_lock import LOCK_NAME, RunLock
 from tests.tiny_overrides import TINY_RUN
 
 

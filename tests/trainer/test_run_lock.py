@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from reco_megatron.trainer import run_lock
-from reco_megatron.trainer.run_lock import LOCK_NAME, RunLock, RunLockError
+from reco_megatron.trainer.lifecycle import run_lock
+from reco_megatron.trainer.lifecycle.run_lock import LOCK_NAME, RunLock, RunLockError
 from tests.tiny_overrides import TINY_RUN
 
 ROOT = Path(__file__).resolve().parents[2]
 HOLD = (
-    "import sys, time; from reco_megatron.trainer.run_lock import RunLock; "
+    "import sys, time; from reco_megatron.trainer.lifecycle.run_lock import RunLock; "
     "RunLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(600)"
 )
 

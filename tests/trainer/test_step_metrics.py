@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from reco_megatron.trainer.step_metrics import UPDATE_METRICS, combine_updates
+from reco_megatron.trainer.reporting.step_metrics import UPDATE_METRICS, combine_updates
 
 # Two updates of one rollout batch: the first runs at theta == theta_old (r = c = 1), the
 # second sees the spike; a mean over updates would log (1 + 27) / 2 = 14 as the "max".

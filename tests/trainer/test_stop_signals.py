@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from reco_megatron.trainer.step_metrics import is_wall_clock
-from reco_megatron.trainer.stop_signals import RunAborted, StopSignals
+from reco_megatron.trainer.lifecycle import RunAborted, StopSignals
+from reco_megatron.trainer.reporting import is_wall_clock
 from tests.tiny_overrides import TINY_RUN
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,7 +1,7 @@
 """What the trainer may delete under a checkpoint root: only what carries its own marker.
 
 A save writes ``.tmp-<name>/`` and, first of all, ``.tmp-<name>/owner.json`` holding the run
-id (``<output_dir>/run.json``, ``reco_megatron.trainer.run_dir``); the marker stays in the
+id (``<output_dir>/run.json``, ``reco_megatron.trainer.lifecycle.run_dir``); the marker stays in the
 finished checkpoint (listed in its manifest), so a checkpoint renamed ``.pruned-<name>`` by
 pruning carries it too. At start-up :func:`partial_leftovers` sorts what an interrupted save
 or prune left: directories whose ``owner.json`` names this run are removed; anything else

@@ -14,7 +14,8 @@ padding, the embedding on the first stage and the output layer on the last, repl
 gradient-buffer padding and the optimizer's DP sharding are megatron's.
 
 This is what ``megatron/memory/estimate.py``'s estimate is checked against
-(``tests/trainer/test_memory_census.py``; ``python -m reco_megatron.trainer.memory --measure``).
+(``tests/trainer/test_memory_census.py``;
+``python -m reco_megatron.trainer.memory.budget --measure``).
 
 Run it in a process with no process group yet (it starts and destroys its own); the CPU
 backend is enabled as in a CPU run. Activation memory is not measured here.

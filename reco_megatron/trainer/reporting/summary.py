@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from reco_megatron.trainer.progress import format_seconds
+from reco_megatron.trainer.reporting.progress import format_seconds
 
 WINDOW = 10
 """Steps averaged at each end of the run ("first 10 vs last 10")."""

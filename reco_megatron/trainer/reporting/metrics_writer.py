@@ -1,6 +1,6 @@
 """Per-step metrics: ``metrics.jsonl`` (one JSON object per step), TensorBoard, progress (a
-bar, or lines where no bar can be drawn: :mod:`reco_megatron.trainer.progress`), and the
-plots written at the end of a run (:mod:`reco_megatron.trainer.plots`). Rank 0 only."""
+bar, or lines where no bar can be drawn: :mod:`reco_megatron.trainer.reporting.progress`), and the
+plots written at the end of a run (:mod:`reco_megatron.trainer.reporting.plots`). Rank 0 only."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from reco_megatron.trainer import loggers as loggers_mod
-from reco_megatron.trainer.plots import plot_training_curves
-from reco_megatron.trainer.progress import StepProgress
+from reco_megatron.trainer.reporting import loggers as loggers_mod
+from reco_megatron.trainer.reporting.plots import plot_training_curves
+from reco_megatron.trainer.reporting.progress import StepProgress
 from reco_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -31,7 +31,7 @@ def _clean(value: Any) -> Any:
 
 class MetricsWriter:
     """Appends one line per step to ``<output_dir>/metrics.jsonl`` and to the ``loggers``
-    (TensorBoard, W&B, MLflow: :mod:`reco_megatron.trainer.loggers`); the progress counts
+    (TensorBoard, W&B, MLflow: :mod:`reco_megatron.trainer.reporting.loggers`); the progress counts
     from ``initial_step`` to ``total_steps``."""
 
     def __init__(

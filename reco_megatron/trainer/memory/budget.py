@@ -1,6 +1,6 @@
 """The example configs' memory budgets, and the estimate checked against megatron-core.
 
-``python -m reco_megatron.trainer.memory`` prints the tables of ``docs/rollout.md`` and
+``python -m reco_megatron.trainer.memory.budget`` prints the tables of ``docs/rollout.md`` and
 ``docs/moe.md``; :func:`compare` sets the estimate's static part beside what megatron-core
 allocates on the meta device (its command line is :mod:`.memory_check`). The estimate itself
 is the adapter's (its ``memory`` folder); this module reads the example configs, which the

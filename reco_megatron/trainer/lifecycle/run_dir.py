@@ -26,8 +26,15 @@ import secrets
 import socket
 import time
 from pathlib import Path
+from typing import Any
 
-from reco_megatron.trainer.run_lock import LOCK_NAME, RUN_MARKER, RunLock, RunLockError
+from reco_megatron.megatron import (
+    CheckpointError,
+    latest_checkpoint,
+    read_meta,
+    remove_partial_checkpoints,
+)
+from reco_megatron.trainer.lifecycle.run_lock import LOCK_NAME, RUN_MARKER, RunLock, RunLockError
 from reco_megatron.utils.jsonfile import write_json
 from reco_megatron.utils.logging import get_logger
 from reco_megatron.utils.paths import file_problem
@@ -207,3 +214,27 @@ def _unwritable(out: Path, exc: Exception) -> str:
         f"trainer.output_dir={str(out)!r} is not writable ({reason}): choose "
         "another directory with trainer.output_dir=..."
     )
+
+
+def latest_trainer_state(root: Path) -> tuple[str | None, dict[str, Any] | None]:
+    """Name and trainer state (plain JSON) of the checkpoint ``root/latest`` names, or
+    ``(None, None)`` when there is none or it cannot be read (the resume then says why)."""
+    try:
+        path = latest_checkpoint(root)
+        return (path.name, read_meta(path).get("trainer_state") or {}) if path else (None, None)
+    except CheckpointError:
+        return None, None
+
+
+def clean_aborted_save(root: Path, run_id: str | None) -> tuple[list[str], Path | None]:
+    """After a save cut short: remove the partial checkpoints of run ``run_id`` under ``root``
+    (None: not a marked run, nothing removed); returns their names and the newest complete
+    checkpoint left (None: none, or ``latest`` is damaged)."""
+    removed = []
+    if root.is_dir() and run_id is not None:
+        removed = remove_partial_checkpoints(root, quiet=True, run_id=run_id)
+    try:
+        latest = latest_checkpoint(root)
+    except CheckpointError:
+        latest = None
+    return removed, latest

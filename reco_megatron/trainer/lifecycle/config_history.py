@@ -293,7 +293,7 @@ class ResumeCheck:
     def _latest_state(self) -> tuple[str | None, dict[str, Any] | None]:
         """Name and trainer state of the checkpoint ``latest`` names (rank 0; plain JSON),
         or ``(None, None)`` when there is none or it cannot be read (the resume says why)."""
-        from reco_megatron.trainer.setup import latest_trainer_state
+        from reco_megatron.trainer.lifecycle.run_dir import latest_trainer_state
 
         if self.rank != 0:
             return None, None

@@ -145,8 +145,7 @@ def report_abort(output_dir: str, rank: int) -> int:
 
     if rank != 0:
         return EXIT_RESUMABLE
-    from reco_megatron.trainer.run_dir import read_run_id
-    from reco_megatron.trainer.setup import clean_aborted_save
+    from reco_megatron.trainer.lifecycle.run_dir import clean_aborted_save, read_run_id
 
     try:
         run_id = read_run_id(output_dir) or ""

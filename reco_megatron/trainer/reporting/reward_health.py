@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from reco_megatron.rewards.types import FAILURE_KINDS
-from reco_megatron.trainer.guards import StabilityStop
+from reco_megatron.trainer.lifecycle import StabilityStop
 
 __all__ = ["FAILURE_COLUMNS", "RewardFailureStop", "check_failures", "failure_row", "local_counts"]
 

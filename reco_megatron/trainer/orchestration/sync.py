@@ -1,7 +1,7 @@
 """The trainer's handle on its rollout engine, and how the policy streams into it.
 
 The engine is built, and the policy's weights exported, by :mod:`.rollout_engines`
-(:func:`~reco_megatron.trainer.rollout_engines.sync_weights`). The weights travel as Hugging
+(:func:`~reco_megatron.trainer.orchestration.engines.sync_weights`). The weights travel as Hugging
 Face ``(name, tensor)`` pairs: what vLLM's ``load_weights`` and the embedded transformers
 engine both take. Every rank holds a rollout
 engine for its data-parallel replica, so every rank receives every tensor; each push is checked

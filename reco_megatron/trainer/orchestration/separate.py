@@ -29,10 +29,10 @@ from reco_megatron.parallel.layout import RankLayout
 from reco_megatron.rollout.base import RolloutEngine, SamplingParams
 from reco_megatron.rollout.weight_transport import PushPlan, TensorSpec, dtype_name
 from reco_megatron.trainer.config import TrainConfig
-from reco_megatron.trainer.group_dispatch import GroupDispatcher
-from reco_megatron.trainer.rollout_source import PromptSource, StepPrompts, StepRollout
-from reco_megatron.trainer.rollout_workers import WorkerLost, WorkerPool
-from reco_megatron.trainer.weight_push import StageWeights, WeightPusher
+from reco_megatron.trainer.orchestration.dispatch import GroupDispatcher
+from reco_megatron.trainer.orchestration.push import StageWeights, WeightPusher
+from reco_megatron.trainer.orchestration.source import PromptSource, StepPrompts, StepRollout
+from reco_megatron.trainer.orchestration.workers import WorkerLost, WorkerPool
 from reco_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)

@@ -3,7 +3,7 @@
 The loop asks its source for each step's groups (:meth:`RolloutSource.next_step`), lets it
 free memory for the update (:meth:`RolloutSource.before_update`) and hands it the new weights
 after (:meth:`RolloutSource.after_update`). :class:`ColocatedRollout` generates on this rank
-with the current weights; :class:`~reco_megatron.trainer.separate_rollout.SeparateRollout`
+with the current weights; :class:`~reco_megatron.trainer.orchestration.separate.SeparateRollout`
 receives groups the workers generated while the trainer trained. Both draw the prompts from
 the trainer's one sampler and seed each prompt by ``(trainer.seed, step, group)``, so the same
 step samples the same responses wherever it runs.
@@ -24,8 +24,8 @@ from reco_megatron.parallel.batch import data_parallel_groups
 from reco_megatron.parallel.layout import RankLayout
 from reco_megatron.rollout.base import Completion, RolloutEngine
 from reco_megatron.trainer.config import TrainConfig
-from reco_megatron.trainer.rollout_agreement import agree_on_completions
-from reco_megatron.trainer.weight_sync import RolloutClient
+from reco_megatron.trainer.orchestration.agreement import agree_on_completions
+from reco_megatron.trainer.orchestration.sync import RolloutClient
 
 
 def prompt_seed(seed: int, step: int, group: int) -> int:
@@ -127,7 +127,7 @@ class ColocatedRollout:
     """Generate on this rank, with the current weights, between updates.
 
     ``sync`` streams the policy's current weights into ``client``'s engine (collective;
-    :func:`~reco_megatron.trainer.rollout_engines.sync_weights` bound to the run's engine)."""
+    :func:`~reco_megatron.trainer.orchestration.engines.sync_weights` bound to the run's engine)."""
 
     def __init__(
         self,

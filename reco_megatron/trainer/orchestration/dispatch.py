@@ -19,8 +19,8 @@ from typing import Any, Protocol
 import torch
 
 from reco_megatron.rollout.base import SamplingParams
-from reco_megatron.trainer.rollout_source import StepPrompts, prompt_seed
-from reco_megatron.trainer.rollout_workers import WorkerLost
+from reco_megatron.trainer.orchestration.source import StepPrompts, prompt_seed
+from reco_megatron.trainer.orchestration.workers import WorkerLost
 from reco_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)

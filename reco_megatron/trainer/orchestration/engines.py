@@ -1,7 +1,7 @@
 """Building the run's rollout engine (``rollout.engine``: ``embedded``, ``vllm`` or
 ``megatron``) and what it needs: the sampling settings, the weight names every push must
 carry, vLLM's model directory and its colocation memory check; and streaming the policy into
-it (:func:`sync_weights`, through :class:`~reco_megatron.trainer.weight_sync.RolloutClient`).
+it (:func:`sync_weights`, through :class:`~reco_megatron.trainer.orchestration.sync.RolloutClient`).
 
 The engines that hold their own weights come from the one factory training and evaluation
 share (:func:`reco_megatron.rollout.engines.build_engine`); the ``megatron`` engine decodes on
@@ -36,8 +36,8 @@ from reco_megatron.parallel.layout import RankLayout
 from reco_megatron.rollout.base import RolloutEngine, SamplingParams
 from reco_megatron.rollout.engines import build_engine
 from reco_megatron.trainer.config import TrainConfig
-from reco_megatron.trainer.rollout_source import ColocatedRollout, PromptSource, RolloutSource
-from reco_megatron.trainer.weight_sync import RolloutClient
+from reco_megatron.trainer.orchestration.source import ColocatedRollout, PromptSource, RolloutSource
+from reco_megatron.trainer.orchestration.sync import RolloutClient
 from reco_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -199,7 +199,7 @@ def build_rollout_source(
         client = build_rollout_engine(cfg, tokenizer, policy.device, policy=policy)
         sync = partial(sync_weights, policy, client, cfg.model, converter)
         return ColocatedRollout(cfg, client, sync, prompts, layout)
-    from reco_megatron.trainer.separate_rollout import SeparateRollout
+    from reco_megatron.trainer.orchestration.separate import SeparateRollout
 
     spec = engine_spec(cfg, tokenizer, "auto")
     sampling, expected = rollout_sampling(cfg, tokenizer), expected_weights(cfg)
@@ -210,7 +210,7 @@ def build_rollout_source(
 @dataclass(frozen=True)
 class PolicyStages:
     """The policy's weights stage by stage, for the separate workers
-    (:class:`~reco_megatron.trainer.weight_push.StageWeights` over the adapter's push)."""
+    (:class:`~reco_megatron.trainer.orchestration.push.StageWeights` over the adapter's push)."""
 
     policy: ReCoEngine
     """The training engine whose chunks are exported."""

@@ -20,32 +20,17 @@ network neither hangs nor fails:
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
+from reco_megatron.trainer.sections import INSTALL
 from reco_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)
-
-LoggerName = Literal["tensorboard", "wandb", "mlflow"]
-LOGGERS: tuple[str, ...] = ("tensorboard", "wandb", "mlflow")
-MODULES: dict[str, str] = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
-"""The module each logger needs."""
-INSTALL: dict[str, str] = {
-    "tensorboard": "pip install tensorboard",
-    "wandb": 'pip install wandb (or pip install -e ".[loggers]")',
-    "mlflow": 'pip install mlflow-skinny (or pip install -e ".[loggers]")',
-}
-
-
-def missing(names: Sequence[str]) -> list[str]:
-    """The loggers of ``names`` whose package cannot be imported, with how to install it."""
-    return [f"{n}: {INSTALL[n]}" for n in names if importlib.util.find_spec(MODULES[n]) is None]
 
 
 def _numbers(row: Mapping[str, Any]) -> dict[str, float]:
@@ -145,7 +130,8 @@ class MlflowLogger:
 
 
 class Tracker(Protocol):
-    """What :class:`~reco_megatron.trainer.metrics_writer.MetricsWriter` needs of a logger."""
+    """What :class:`~reco_megatron.trainer.reporting.metrics_writer.MetricsWriter` needs of a
+    logger."""
 
     def log(self, row: Mapping[str, Any], step: int) -> None:
         """Send one ``metrics.jsonl`` row (its numbers) at ``step``."""

@@ -27,7 +27,7 @@ from reco_megatron.parallel.collectives import collective_device
 from reco_megatron.rollout.weight_transport import PushPlan, send_push, weight_group
 from reco_megatron.rollout.worker_link import this_host
 from reco_megatron.trainer.config import TrainConfig
-from reco_megatron.trainer.rollout_workers import WorkerPool
+from reco_megatron.trainer.orchestration.workers import WorkerPool
 from reco_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -49,7 +49,8 @@ class PushRole(Protocol):
 
 class StageWeights(Protocol):
     """What the push needs of the policy
-    (:class:`~reco_megatron.trainer.rollout_engines.PolicyStages` binds the adapter's export)."""
+    (:class:`~reco_megatron.trainer.orchestration.engines.PolicyStages` binds the adapter's
+    export)."""
 
     @property
     def on_gpu(self) -> bool:

@@ -1,16 +1,16 @@
 """The memory estimate's static part against what megatron-core allocates, per rank.
 
-For each layout of :data:`reco_megatron.trainer.memory.EXAMPLES` (or a config given on the
-command line) and each pipeline stage, :func:`~reco_megatron.trainer.memory.compare` builds
+For each layout of :data:`reco_megatron.trainer.memory.budget.EXAMPLES` (or a config given on the
+command line) and each pipeline stage, :func:`~reco_megatron.trainer.memory.budget.compare` builds
 that rank with megatron-core on the meta device (the adapter's memory census: real model
 chunks, DDP gradient buffers, distributed-optimizer shards and Adam state, nothing allocated)
 and sets its weight, gradient and optimizer bytes beside the memory estimate's
 ``stage_state``::
 
-    python -m reco_megatron.trainer.memory_check                     # the examples' layouts
-    python -m reco_megatron.trainer.memory_check my.yaml --dp 8     # a layout of your own
-    python -m reco_megatron.trainer.memory_check my.yaml parallel.pipeline_model_parallel_size=2
-    python -m reco_megatron.trainer.memory_check --json             # machine-readable
+    python -m reco_megatron.trainer.memory.check                     # the examples' layouts
+    python -m reco_megatron.trainer.memory.check my.yaml --dp 8     # a layout of your own
+    python -m reco_megatron.trainer.memory.check my.yaml parallel.pipeline_model_parallel_size=2
+    python -m reco_megatron.trainer.memory.check --json             # machine-readable
 
 It exits 1 when any item differs by more than :data:`TOLERANCE`. Runs on a CPU in seconds
 (after megatron-core's import) for any model size, in a process of its own (it starts a fake
@@ -24,7 +24,7 @@ import json
 import sys
 from dataclasses import asdict
 
-from reco_megatron.trainer.memory import EXAMPLES, TOLERANCE, compare, table
+from reco_megatron.trainer.memory.budget import EXAMPLES, TOLERANCE, compare, table
 
 __all__ = ["TOLERANCE", "compare", "main", "table"]
 
