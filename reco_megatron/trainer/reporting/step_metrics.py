@@ -12,7 +12,7 @@ import torch.distributed as dist
 from reco_megatron.algo import diversity_metrics, pass_at_k
 from reco_megatron.parallel.collectives import collective_device
 from reco_megatron.parallel.layout import RankLayout
-from reco_megatron.rollout.base import Completion
+from reco_megatron.rollout.requests import Completion
 
 
 def rollout_counters(
