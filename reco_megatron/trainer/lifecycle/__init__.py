@@ -15,6 +15,7 @@ from reco_megatron.trainer.lifecycle.guards import (
     unparsable_count,
 )
 from reco_megatron.trainer.lifecycle.run_dir import clean_aborted_save, take_run_directory
+from reco_megatron.trainer.lifecycle.run_life import RunLife
 from reco_megatron.trainer.lifecycle.run_lock import RunLock, RunLockError
 from reco_megatron.trainer.lifecycle.stop_signals import (
     EXIT_RESUMABLE,
@@ -31,6 +32,7 @@ __all__ = [
     "DeadRunGuard",
     "ResumeCheck",
     "RunAborted",
+    "RunLife",
     "RunLock",
     "RunLockError",
     "StabilityGuard",
