@@ -1,4 +1,5 @@
-"""The tiny example trains the same with sequence packing on as off (CPU, torch's attention).
+"""The tiny example trains the same with sequence packing on as off (CPU, torch's attention:
+``model.attention_backend=auto``).
 
 Two runs of ``examples/tiny_cpu.yaml`` (the tiny sizes of every trainer test, no warm-up, 3
 steps, 4 prompts x 4 responses, 2 mini-batches per rollout) with the same token budget of 96
@@ -31,6 +32,7 @@ TINY = [
     *TINY_RUN,
     "sft.steps=0",
     "trainer.max_steps=3",
+    "model.attention_backend=auto",  # torch's on CPU (the example pins local for the README)
     "update.max_tokens_per_microbatch=96",
     "update.microbatch_length_multiple=8",
 ]
