@@ -5,7 +5,7 @@ One rollout batch (whole groups of G responses per DP rank) goes through:
 1. :meth:`ReCoEngine.prepare` -- a forward-only pass of the current weights over the whole
    batch (the *old policy*: ``logp_old``, ``sum_p2_old``), the reference model's log-probs when
    a KL term is used, and the ReCo response weights computed **per complete group** before the
-   batch is split into mini-/micro-batches.
+   batch is split into mini-/micro-batches (:mod:`reco_megatron.megatron.step.old_policy`).
 2. :meth:`ReCoEngine.train_on_rollout` -- ``epochs_per_rollout`` x ``minibatches_per_rollout``
    optimizer steps. At the first step ``theta == theta_old`` so ReCo's token ratio is exactly 1;
    from the second mini-batch on it acts (docs/loss.md).
