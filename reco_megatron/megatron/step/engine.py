@@ -106,6 +106,12 @@ class ReCoEngine:
         self.config = transformer_config(model, parallel, self.on_gpu)
         self.attention = attention_backend(model, self.on_gpu)
         """The attention that runs: ``te``, ``torch`` or ``local`` (``model.attention_backend``)."""
+        if parallel.context_parallel_size > 1 and self.attention != "te":
+            raise ValueError(
+                f"parallel.context_parallel_size={parallel.context_parallel_size} needs "
+                f"transformer-engine's attention, not model.attention_backend={self.attention!r}"
+                ": set context_parallel_size=1, or install transformer-engine and use 'auto'"
+            )
         self.batcher = MicroBatcher(update, parallel, self.attention)
         """Micro-batches of every pass: fixed, token-budget or packed."""
         self.batcher.configure(self.config)
