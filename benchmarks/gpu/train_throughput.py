@@ -91,9 +91,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _batch(lengths: list[int], vocab: int, gen: random.Random):
-    """A one-group rollout batch of sequences of ``lengths`` (a 16-token prompt each), with
-    old log-probs and weights filled as the old-policy pass would."""
+def _batch(lengths: list[int], vocab: int, gen: random.Random, prompt: int = 16):
+    """A one-group rollout batch of sequences of ``lengths`` (a ``prompt``-token prompt each),
+    with old log-probs and weights filled as the old-policy pass would."""
     from reco_megatron.parallel.batch import RolloutBatch
 
     width = max(lengths)
@@ -101,7 +101,7 @@ def _batch(lengths: list[int], vocab: int, gen: random.Random):
     tokens = torch.randint(0, vocab, (len(lengths), width), generator=g)
     mask = torch.zeros(len(lengths), width)
     for i, n in enumerate(lengths):
-        mask[i, 16:n] = 1.0
+        mask[i, prompt:n] = 1.0
         tokens[i, n:] = 0
     return RolloutBatch(
         tokens=tokens,
@@ -115,11 +115,14 @@ def _batch(lengths: list[int], vocab: int, gen: random.Random):
 
 
 def _documents(total: int, low: int, high: int, row: int, gen: random.Random) -> list[int]:
-    """Mixed lengths in ``[low, high]`` filling rows of ``row`` tokens (``total`` in all)."""
+    """Mixed lengths in ``[low, high]`` filling rows of ``row`` tokens exactly (``total`` in
+    all): a draw that would leave less than ``low`` in a row takes the rest of it."""
     out, used = [], 0
     while used < total:
         room = row - used % row
-        n = min(gen.randint(low, high), room)
+        n = gen.randint(low, high)
+        if n > room - low:
+            n = room
         out.append(n)
         used += n
     return out
@@ -224,7 +227,7 @@ def run(args: argparse.Namespace) -> dict:
         try:
             times = []
             for i in range(args.steps + 1):
-                batch = _batch(lengths, arch["vocab_size"], gen)
+                batch = _batch(lengths, arch["vocab_size"], gen, prompt=min(16, low // 2))
                 _sync(device)
                 t0 = time.perf_counter()
                 metrics = engine.train_step(batch)
