@@ -97,13 +97,13 @@ def resolve_attention_backend(requested: str, on_gpu: bool, te_importable: bool)
     return requested
 
 
-def announce(backend: str, on_gpu: bool) -> None:
+def announce(backend: str, on_gpu: bool, dtype: torch.dtype, groups_ratio: int) -> None:
     """Log once per process which attention runs (the start-up line)."""
     if backend in _announced:
         return
     _announced.add(backend)
-    packed = "varlen_attn" if on_gpu and varlen_reason(on_gpu, torch.bfloat16, 1) is None else ""
-    packed = packed or "one fused SDPA call per sequence"
+    why = varlen_reason(on_gpu, dtype, groups_ratio)
+    packed = "varlen_attn" if why is None else f"one fused SDPA call per sequence ({why})"
     logger.info("attention: %s, %s", backend, _DESCRIPTION[backend].format(packed=packed))
 
 

@@ -208,7 +208,8 @@ def _layer_spec(model: ModelConfig, config: Any, on_gpu: bool, vp_stage: int | N
         "qk_layernorm": model.traits.qk_layernorm,
     }
     backend = attention_backend(model, on_gpu)
-    announce(backend, on_gpu)
+    ratio = model.num_attention_heads // model.query_groups
+    announce(backend, on_gpu, DTYPES[model.params_dtype], ratio)
     if backend == "te":
         return specs.get_gpt_layer_with_transformer_engine_spec(**family)
     local = specs.get_gpt_layer_local_spec(normalization="RMSNorm", **family)
