@@ -23,7 +23,7 @@ import pytest
 
 from reco_megatron.testing import run_distributed
 from reco_megatron.train import main
-from reco_megatron.trainer.step_metrics import is_wall_clock
+from reco_megatron.trainer.reporting.step_metrics import is_wall_clock
 from tests.tiny_overrides import TINY_RUN
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
