@@ -2,8 +2,8 @@
 ``model.attention_backend=auto``).
 
 Two runs of ``examples/tiny_cpu.yaml`` (the tiny sizes of every trainer test, no warm-up, 3
-steps, 4 prompts x 4 responses, 2 mini-batches per rollout) with the same token budget of 96
-positions per micro-batch: padded rows, and ``update.sequence_packing=true`` (several
+steps, 4 prompts x 4 responses, 2 mini-batches per rollout) with the same token budget of 256
+positions per micro-batch: padded rows, and ``update.sequence_packing=true`` (3 or more
 responses per packed row, positions restarting per sequence, attention inside each sequence).
 Every column of ``metrics.jsonl`` that does not measure wall-clock time or the micro-batching
 itself must agree: the sampled responses, rewards, lengths, pass@k and diversity exactly
@@ -33,7 +33,7 @@ TINY = [
     "sft.steps=0",
     "trainer.max_steps=3",
     "model.attention_backend=auto",  # torch's on CPU (the example pins local for the README)
-    "update.max_tokens_per_microbatch=96",
+    "update.max_tokens_per_microbatch=256",
     "update.microbatch_length_multiple=8",
 ]
 SCHEDULE = ("pad_frac", "microbatches_per_rank", "tokens_computed", "dp_tokens", "old_tokens")
@@ -41,21 +41,21 @@ SCHEDULE = ("pad_frac", "microbatches_per_rank", "tokens_computed", "dp_tokens",
 EXACT = ("reward_mean", "response_len_mean", "unique_frac", "pass@1", "pass@4", "step")
 
 
-def _run(rank, world_size, out: str, extra: list[str]) -> int:
-    """Train; returns how many passes ran as packed rows."""
+def _run(rank, world_size, out: str, extra: list[str]) -> list[int]:
+    """Train; returns the number of sequences of every packed row."""
     from reco_megatron.megatron.step import schedule
 
-    packed = []
-    original = schedule.make_packed_forward_step
+    rows = []
+    original = schedule.pack_layout
 
-    def counted(*args, **kwargs):
-        packed.append(1)
-        return original(*args, **kwargs)
+    def counted(needed, *args, **kwargs):
+        rows.append(len(needed))
+        return original(needed, *args, **kwargs)
 
-    schedule.make_packed_forward_step = counted
+    schedule.pack_layout = counted
     code = main(["examples/tiny_cpu.yaml", *TINY, f"trainer.output_dir={out}", *extra])
     assert code == 0
-    return len(packed)
+    return rows
 
 
 def _rows(out: Path) -> list[dict]:
@@ -65,9 +65,9 @@ def _rows(out: Path) -> list[dict]:
 
 def test_packing_on_equals_packing_off_in_every_metric(tmp_path: Path) -> None:
     off, on = tmp_path / "off", tmp_path / "on"
-    assert run_distributed(_run, 1, args=(str(off), []), timeout=900) == [0]
-    packed = run_distributed(_run, 1, args=(str(on), ["update.sequence_packing=true"]), timeout=900)
-    assert packed[0] >= 3 * 3  # every pass of every step: the old-policy pass, 2 updates
+    assert run_distributed(_run, 1, args=(str(off), []), timeout=900) == [[]]
+    rows = run_distributed(_run, 1, args=(str(on), ["update.sequence_packing=true"]), timeout=900)
+    assert len(rows[0]) >= 3 * 3 and max(rows[0]) >= 3  # several sequences share a packed row
     rows_off, rows_on = _rows(off), _rows(on)
     assert len(rows_off) == len(rows_on) == 3
     for a, b in zip(rows_off, rows_on, strict=True):

@@ -194,7 +194,6 @@ class TorchDotProductAttention(torch.nn.Module):
         self.softmax_scale = (
             softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
         )
-        self._warned = False
 
     def forward(
         self,
@@ -248,8 +247,8 @@ class TorchDotProductAttention(torch.nn.Module):
         why = varlen_reason(query.is_cuda, query.dtype, ratio)
         if why is None:
             return self._varlen(query, key, value, cu_q, params, causal, ratio)
-        if query.is_cuda and not self._warned:
-            self._warned = True
+        if query.is_cuda and "loop" not in _announced:  # once per process, not per layer
+            _announced.add("loop")
             logger.warning("packed rows: one SDPA call per sequence, not varlen_attn: %s", why)
         outs = []
         bounds = cu_q.tolist()
