@@ -12,13 +12,19 @@ Tolerance 1e-6: the same fp32 math in a different memory layout (softmax over ma
 
 from __future__ import annotations
 
+import logging
 import math
+import sys
 from dataclasses import replace
+from types import ModuleType
 
 import pytest
 import torch
 
 from reco_megatron.algo import LossConfig
+from reco_megatron.megatron.distributed import ParallelConfig
+from reco_megatron.megatron.step import schedule
+from reco_megatron.megatron.step.config import UpdateConfig
 from reco_megatron.megatron.step.loss_layer import (
     LossContext,
     make_forward_step,
@@ -208,11 +214,45 @@ def test_packed_forward_step_glue_with_megatron_packed_seq_params() -> None:
     torch.testing.assert_close(outs[1][1], outs[0][1], atol=ATOL, rtol=0)
 
 
-def test_packing_is_off_without_transformer_engine_with_one_line() -> None:
+def _batcher_log(caplog, available: tuple[bool, str], monkeypatch) -> tuple[bool, list[str]]:
+    """Whether a micro-batcher asked for packing turns it on, and its log lines, when
+    ``packing_available`` answers ``available``."""
+    monkeypatch.setattr(schedule, "packing_available", lambda on_gpu: available)
+    update = UpdateConfig(sequence_packing=True, max_tokens_per_microbatch=64)
+    package = logging.getLogger("reco_megatron")  # it does not propagate to the root logger
+    package.addHandler(caplog.handler)
+    caplog.clear()
+    try:
+        packing = schedule.MicroBatcher(update, ParallelConfig(), on_gpu=True).packing
+    finally:
+        package.removeHandler(caplog.handler)
+    return packing, caplog.text.strip().splitlines()
+
+
+def test_packing_is_off_without_transformer_engine_with_one_line(monkeypatch, caplog) -> None:
+    """Both halves run on every machine: transformer-engine is hidden (a ``None`` entry in
+    ``sys.modules`` makes its import fail) or stood in for by an empty module. The second
+    part does not depend on what packing needs: whenever ``packing_available`` says no, the
+    micro-batcher turns packing off with one warning line carrying the reason."""
     ok, why = packing_available(False)
     assert not ok and "GPU" in why
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        ok, why = packing_available(True)
-        assert not ok and why == "transformer-engine is not importable (THD attention needs it)"
+    try:  # the answer is cached per process: cleared around each stand-in, and afterwards
+        monkeypatch.setitem(sys.modules, "transformer_engine", None)
+        packing_available.cache_clear()
+        assert packing_available(True) == (
+            False,
+            "transformer-engine is not importable (THD attention needs it)",
+        )
+        monkeypatch.setitem(sys.modules, "transformer_engine", ModuleType("transformer_engine"))
+        packing_available.cache_clear()
+        assert packing_available(True) == (True, "")
+    finally:
+        packing_available.cache_clear()
+
+    packing, lines = _batcher_log(caplog, (False, "the reason"), monkeypatch)
+    assert not packing
+    (line,) = lines
+    assert "update.sequence_packing=true but the reason: packing is off" in line
+    assert [r.exc_info for r in caplog.records] == [None]
+    packing, lines = _batcher_log(caplog, (True, ""), monkeypatch)
+    assert packing and lines == []
