@@ -18,15 +18,23 @@ both cores (2 threads); separate gives the trainer and the worker one thread eac
 Per mode: response tokens trained per second (the median over steps after the first two,
 which include start-up), the trainer's wait for groups and the workers' idle time per step,
 the staleness histogram and the peak RSS of the trainer process. ``speedup`` is tokens per
-second over colocated's.
+second over colocated's *in the same round*; the table gives its median over the rounds and
+the lowest and highest round.
+
+**Load-sensitive.** The separate modes run two processes of one thread each, colocated one
+of two threads: how a shared machine schedules them decides the ratio (a rerun on a machine
+loaded by other work gave 0.62 / 0.82 / 1.04x where an earlier one gave 1.15 / 1.35 / 1.59x).
+The load average is recorded before every run, and every measurement is stored with the
+machine and the command (``--json``, default ``docs/results/async_rollout.json``): compare
+ratios from one run, and read them with the load beside them.
 
 Part 2 times the push alone: one sender and one receiver over gloo (two processes), a plan
 of ``--push-mib`` MiB of fp32 tensors in 256 MiB buckets, the median of 3 pushes per size.
 
 Run::
 
-    python benchmarks/async_rollout.py                 # markdown tables
-    python benchmarks/async_rollout.py --json async_rollout.json --rounds 2 --steps 12
+    python benchmarks/async_rollout.py                 # markdown tables + the raw JSON
+    python benchmarks/async_rollout.py --json /tmp/async_rollout.json --rounds 4 --steps 12
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ import datetime
 import json
 import multiprocessing as mp
 import os
+import platform
 import socket
 import statistics
 import subprocess
@@ -80,6 +89,37 @@ def run_mode(extra: list[str], steps: int, max_new: int, out: Path) -> dict:
     rss = [int(x.split()[1]) for x in done.stdout.splitlines() if x.startswith("PEAK_RSS_KB")]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return {"rows": rows, "peak_rss_mib": rss[0] / 1024 if rss else float("nan")}
+
+
+RAW_KEYS = (
+    "step", "tokens_per_s", "trainer_wait_s", "worker_idle_s", "staleness_max",
+    "response_len_mean", "time_rollout", "time_train", "weight_push_s",
+)  # fmt: skip
+"""The per-step values the raw JSON keeps of each run's metrics rows."""
+
+
+def machine() -> dict:
+    """What the numbers were measured on."""
+    model = "unknown"
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    import torch
+
+    return {
+        "cpu": model,
+        "cores": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+
+
+def spread(values: list[float]) -> dict:
+    """Median, lowest and highest of per-round values."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def summarise(runs: list[dict]) -> dict:
@@ -148,48 +188,76 @@ def time_push(mib: int, reps: int = 3) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--max-new", type=int, default=96)
     p.add_argument("--push-mib", type=int, nargs="+", default=[1, 16, 64, 256])
-    p.add_argument("--json", type=Path)
+    p.add_argument("--json", type=Path, default=ROOT / "docs/results/async_rollout.json")
     args = p.parse_args()
+    started = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     runs: dict[str, list[dict]] = {m: [] for m in MODES}
-    lengths: list[float] = []
     with tempfile.TemporaryDirectory(prefix="async_rollout_") as tmp:
         for r in range(args.rounds):
             for mode, extra in MODES.items():
                 out = Path(tmp) / f"{mode.replace(' ', '_').replace('=', '')}-{r}"
-                runs[mode].append(run_mode(extra, args.steps, args.max_new, out))
-                print(f"round {r + 1}/{args.rounds} {mode}: done", file=sys.stderr)
+                load = os.getloadavg()
+                run = run_mode(extra, args.steps, args.max_new, out)
+                run.update(round=r, load_before=load, load_after=os.getloadavg())
+                runs[mode].append(run)
+                print(f"round {r + 1}/{args.rounds} {mode}: load {load[0]:.1f}", file=sys.stderr)
     table = {m: summarise(v) for m, v in runs.items()}
-    base = table["colocated"]["tokens_per_s"]
-    for row in table.values():
-        row["speedup"] = row["tokens_per_s"] / base
-    for run in runs["colocated"]:
-        lengths += [row["response_len_mean"] for row in run["rows"]]
+    for mode, row in table.items():  # per round: against that round's colocated run
+        per_round = [
+            summarise([mine])["tokens_per_s"] / summarise([ref])["tokens_per_s"]
+            for mine, ref in zip(runs[mode], runs["colocated"], strict=True)
+        ]
+        row["speedup"] = spread(per_round) | {"rounds": per_round}
+    lengths = [row["response_len_mean"] for run in runs["colocated"] for row in run["rows"]]
+    loads = [run["load_before"][0] for v in runs.values() for run in v]
     push = {mib: time_push(mib) for mib in args.push_mib}
     print(
-        f"{args.rounds} round(s) x {args.steps} steps per mode; step mean response length: "
+        f"{args.rounds} round(s) x {args.steps} steps per mode, {started}; load average (1 min) "
+        f"before the runs: {min(loads):.1f}-{max(loads):.1f}; step mean response length: "
         f"median {statistics.median(lengths):.1f}, max {max(lengths):.1f} of "
         f"{args.max_new} tokens\n"
     )
     print(
-        "| mode | tokens/s | speedup | trainer wait s | worker idle s | staleness (steps) "
-        "| peak RSS MiB |"
+        "| mode | tokens/s | speedup: median [lowest, highest round] | trainer wait s "
+        "| worker idle s | staleness (steps) | peak RSS MiB |"
     )
     print("|---|---|---|---|---|---|---|")
     for mode, row in table.items():
         hist = ", ".join(f"{k}: {v}" for k, v in row["staleness_histogram"].items())
+        sp = row["speedup"]
         print(
-            f"| {mode} | {row['tokens_per_s']:.0f} | {row['speedup']:.2f} | "
-            f"{row['trainer_wait_s']:.2f} | {row['worker_idle_s']:.2f} | {hist} | "
-            f"{row['peak_rss_mib']:.0f} |"
+            f"| {mode} | {row['tokens_per_s']:.0f} | {sp['median']:.2f} [{sp['min']:.2f}, "
+            f"{sp['max']:.2f}] | {row['trainer_wait_s']:.2f} | {row['worker_idle_s']:.2f} | "
+            f"{hist} | {row['peak_rss_mib']:.0f} |"
         )
     print("\n| push MiB | seconds | MiB/s |\n|---|---|---|")
     for mib, sec in push.items():
         print(f"| {mib} | {sec:.3f} | {mib / sec:.0f} |")
-    if args.json:
-        args.json.write_text(json.dumps({"modes": table, "push_s": push}, indent=1))
+    raw = {
+        "command": "python benchmarks/async_rollout.py " + " ".join(sys.argv[1:]),
+        "started": started,
+        "machine": machine(),
+        "summary": table,
+        "push_s": push,
+        "runs": {
+            mode: [
+                {
+                    "round": run["round"],
+                    "load_before": run["load_before"],
+                    "load_after": run["load_after"],
+                    "peak_rss_mib": run["peak_rss_mib"],
+                    "rows": [{k: row.get(k) for k in RAW_KEYS} for row in run["rows"]],
+                }
+                for run in v
+            ]
+            for mode, v in runs.items()
+        },
+    }
+    args.json.write_text(json.dumps(raw, indent=1) + "\n", encoding="utf-8")
+    print(f"\nraw measurements: {args.json}", file=sys.stderr)
 
 
 if __name__ == "__main__":

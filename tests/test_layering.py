@@ -9,7 +9,8 @@ Two checks per package, because ``import torch`` itself loads ``torch.distribute
 module of the package and must not load the forbidden heavy modules, and a static pass over
 the sources (imports inside functions included) finds forbidden imports and imports of
 higher layers. ``vllm`` may only be imported inside functions (lazily), and only by rollout.
-No package calls ``eval``/``exec``/``compile`` (model output and config values are data).
+No package reaches ``eval``/``exec``/``compile`` by name, through ``builtins`` or ``getattr``
+(model output and config values are data).
 
 Inside ``megatron`` there is a folder per job: the engine (``step``, ``model``, ``decoding``,
 ``memory`` and the flat ``distributed`` / ``device``), megatron-core's compatibility layer
@@ -123,11 +124,75 @@ def test_only_the_adapter_imports_megatron_core() -> None:
     assert not offenders, offenders
 
 
+DYNAMIC = ("eval", "exec", "compile")
+"""Builtins that run text as code."""
+
+
+def _runs_text_as_code(tree: ast.AST) -> list[str]:
+    """Every way ``tree`` reaches :data:`DYNAMIC`: the bare names (called or not), an
+    attribute of ``builtins`` / ``__builtins__`` (or a name bound to them), ``getattr(x,
+    "eval")``, a subscript ``[...]["exec"]``, ``from builtins import exec``, and loading the
+    ``builtins`` module by name. ``re.compile`` / ``model.eval()`` are other objects' methods
+    and a field named ``eval`` is not a use."""
+    aliases = {"builtins", "__builtins__"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            aliases |= {a.asname or a.name for a in node.names if a.name == "builtins"}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and node.id in DYNAMIC and isinstance(node.ctx, ast.Load):
+            found.append(node.id)
+        elif isinstance(node, ast.Attribute) and node.attr in DYNAMIC:
+            if isinstance(node.value, ast.Name) and node.value.id in aliases:
+                found.append(f"{node.value.id}.{node.attr}")
+        elif isinstance(node, ast.ImportFrom) and node.module == "builtins":
+            found += [f"from builtins import {a.name}" for a in node.names if a.name in DYNAMIC]
+        elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+            if node.slice.value in DYNAMIC:
+                found.append(f"[{node.slice.value!r}]")
+        elif isinstance(node, ast.Call):
+            args = [a.value for a in node.args if isinstance(a, ast.Constant)]
+            name = (
+                node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", "")
+            )
+            if name == "getattr" and any(a in DYNAMIC for a in args):
+                found.append(f"getattr(..., {next(a for a in args if a in DYNAMIC)!r})")
+            elif name in ("__import__", "import_module") and "builtins" in args:
+                found.append(f"{name}('builtins')")
+    return found
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "exec('x = 1')",
+        "run = eval",
+        "import builtins\nbuiltins.exec(text)",
+        "import builtins as b\nb.compile(text, 'f', 'exec')",
+        "__builtins__.eval(text)",
+        "import builtins\ngetattr(builtins, 'eval')(text)",
+        "vars(builtins)['exec'](text)",
+        "from builtins import exec as run",
+        "importlib.import_module('builtins')",
+        "__import__('builtins')",
+    ],
+)
+def test_the_dynamic_code_check_sees(source: str) -> None:
+    assert _runs_text_as_code(ast.parse(source)), source
+
+
+def test_the_dynamic_code_check_leaves_methods_alone() -> None:
+    ok = "re.compile('x')\nmodel.eval()\ntorch.compile(f)\neval: int = 1\nos.execv(a, b)"
+    assert _runs_text_as_code(ast.parse(ok)) == []
+
+
 def test_no_eval_or_exec_anywhere() -> None:
-    for path in sorted(PKG.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
-                assert node.func.id not in ("eval", "exec", "compile"), f"{path}: {node.func.id}"
+    offenders = [
+        f"{path.relative_to(PKG)}: {how}"
+        for path in sorted(PKG.rglob("*.py"))
+        for how in _runs_text_as_code(ast.parse(path.read_text()))
+    ]
+    assert not offenders, offenders
 
 
 # ----------------------------------------------------------------- the rooms of megatron/

@@ -48,9 +48,32 @@ class Scores:
         raise KeyError(f"unknown metric {name!r}")
 
 
+def label_order(label: str) -> tuple[str, int, str]:
+    """Sort key of a checkpoint label ``method/sSEED``: by method, then by seed *number*
+    (``s2`` before ``s10``, which a plain string sort would put after ``s1``)."""
+    method, _, seed = label.partition("/")
+    number = int(seed[1:]) if seed[:1] == "s" and seed[1:].isdigit() else -1
+    return method, number, label
+
+
+def seed_labels(runs: Sequence[Scores]) -> list[str]:
+    """``["s1", "s2", ...]``: the seed part of each run's label, in the runs' order."""
+    return [r.label.partition("/")[2] or r.label for r in runs]
+
+
+def by_seed_number(runs: Sequence[Scores]) -> list[int]:
+    """Positions of ``runs`` in seed-number order (``s1, s2, ..., s10``)."""
+    return sorted(range(len(runs)), key=lambda i: label_order(runs[i].label))
+
+
 def group(entries: Sequence[Mapping[str, Any]]) -> dict[str, list[Scores]]:
-    """``{"base": [scores], "grpo": [seed 1, seed 2, ...], ...}`` from labels ``method/sSEED``;
-    every checkpoint must hold the same problems (else the pairing is meaningless)."""
+    """``{"base": [scores], "grpo": [runs], ...}`` from labels ``method/sSEED``; every
+    checkpoint must hold the same problems (else the pairing is meaningless).
+
+    The runs of a method are in *label* order (``s1, s10, s2, ...``), the same for every
+    method, so positions pair; the bootstrap draws positions, so this order is part of how
+    the stored intervals were drawn (another order moves their last digit by ~0.2 points).
+    Anything shown per seed is put in seed-number order first (:func:`by_seed_number`)."""
     out: dict[str, list[Scores]] = {}
     ids = None
     for entry in sorted(entries, key=lambda e: e["label"]):
@@ -123,7 +146,7 @@ def difference_table(
                 ref = values(groups[reference], metric)
                 if ref.shape[0] == 1:
                     ref = np.repeat(ref, mine.shape[0], axis=0)
-                elif ref.shape != mine.shape:
+                elif seed_labels(groups[name]) != seed_labels(groups[reference]):
                     raise ValueError(f"{name} and {reference} have different seeds")
                 d = mine - ref
                 lo, hi = seed_problem_bootstrap(d)
@@ -340,20 +363,25 @@ def seed_test_table(
 
     n = int(groups["base"][0].n.min())
     k = min(64, n)
+    shown = by_seed_number(groups[reference])
+    order = ", ".join(seed_labels([groups[reference][i] for i in shown]))
     lines = [
-        f"| method | Δ pass@{k} % per seed | wins | p | Δ distinct correct per seed | wins | p |",
+        f"| method | Δ pass@{k} % per seed ({order}) | wins | p | Δ distinct correct per seed "
+        "| wins | p |",
         "|---|---|---|---|---|---|---|",
     ]
     for m in methods:
         if m == reference:
             continue
+        if seed_labels(groups[m]) != seed_labels(groups[reference]):
+            raise ValueError(f"{m} and {reference} have different seeds")
         cells = []
         for metric, scale, digits in ((f"pass@{k}", 100.0, 1), ("distinct_correct", 1.0, 2)):
             d = values(groups[m], metric).mean(axis=1) - values(groups[reference], metric).mean(
                 axis=1
             )
-            shown = ", ".join(f"{scale * x:+.{digits}f}" for x in d)
-            cells += [shown, f"{int((d > 0).sum())}/{len(d)}", f"{sign_flip_p(d):.2g}"]
+            listed = ", ".join(f"{scale * d[i]:+.{digits}f}" for i in shown)
+            cells += [listed, f"{int((d > 0).sum())}/{len(d)}", f"{sign_flip_p(d):.2g}"]
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -91,36 +91,7 @@ def write_results(
             lines += [f"`{label}`, every kept checkpoint (step 0 is the base):", ""]
             lines += [analysis.budget_table(curve), ""]
         lines += [f"![budget]({budget_png.name})", ""]
-    references = ["base", "grpo"] if "grpo" in groups else ["base"]
-    for budget in sorted(by_budget, reverse=True):
-        at = analysis.group(by_budget[budget])
-        lines += [
-            f"## Results after {budget} RL steps",
-            "",
-            analysis.results_table(at, methods),
-            *([f"![pass@k]({png.name})", ""] if budget == args.rl_steps else []),
-            "Paired differences (same seeds, same problems):",
-            "",
-            analysis.difference_table(at, methods, references),
-        ]
-        if "grpo" in at and len(at["grpo"]) > 1:
-            lines += [
-                "Per seed (a training run is the unit; sign-flip test over seeds):",
-                "",
-                analysis.seed_test_table(at, methods),
-            ]
-        failed = analysis.diverged_seeds(at, methods)
-        if failed and len(failed) < len(at[methods[0]]):
-            kept = analysis.without_seeds(at, methods, failed)
-            names = ", ".join(at[methods[0]][i].label.split("/")[-1] for i in failed)
-            lines += [
-                f"Without seed(s) {names}, where a run diverged (solves no held-out problem at "
-                "all); post hoc, left out for every method so the comparison stays paired:",
-                "",
-                analysis.results_table(kept, methods),
-                analysis.difference_table(kept, methods, ["grpo"] if "grpo" in kept else []),
-                analysis.seed_test_table(kept, methods) if "grpo" in kept else "",
-            ]
+    lines += passk_sections(by_budget, methods, args.rl_steps, png.name)
     rows = {
         m: [
             analysis.read_metrics(
@@ -158,3 +129,69 @@ def write_results(
     if discussion:
         lines.append(discussion.rstrip() + "\n")
     path.write_text("\n".join(lines), encoding="utf-8")
+
+
+def passk_sections(
+    by_budget: dict[int, list[dict]], methods: list[str], rl_steps: int, png_name: str
+) -> list[str]:
+    """The report's ``## Results after N RL steps`` sections (results, paired differences,
+    per-seed tests), newest budget first: everything the stored per-problem counts give."""
+    lines: list[str] = []
+    groups = analysis.group(by_budget[rl_steps])
+    references = ["base", "grpo"] if "grpo" in groups else ["base"]
+    for budget in sorted(by_budget, reverse=True):
+        at = analysis.group(by_budget[budget])
+        lines += [
+            f"## Results after {budget} RL steps",
+            "",
+            analysis.results_table(at, methods),
+            *([f"![pass@k]({png_name})", ""] if budget == rl_steps else []),
+            "Paired differences (same seeds, same problems):",
+            "",
+            analysis.difference_table(at, methods, references),
+        ]
+        if "grpo" in at and len(at["grpo"]) > 1:
+            lines += [
+                "Per seed (a training run is the unit; sign-flip test over seeds):",
+                "",
+                analysis.seed_test_table(at, methods),
+            ]
+        failed = analysis.diverged_seeds(at, methods)
+        if failed and len(failed) < len(at[methods[0]]):
+            kept = analysis.without_seeds(at, methods, failed)
+            names = ", ".join(at[methods[0]][i].label.split("/")[-1] for i in failed)
+            lines += [
+                f"Without seed(s) {names}, where a run diverged (solves no held-out problem at "
+                "all); post hoc, left out for every method so the comparison stays paired:",
+                "",
+                analysis.results_table(kept, methods),
+                analysis.difference_table(kept, methods, ["grpo"] if "grpo" in kept else []),
+                analysis.seed_test_table(kept, methods) if "grpo" in kept else "",
+            ]
+    return lines
+
+
+def recompute(path: Path, passk: Path) -> None:
+    """Rewrite the results sections of the report ``path`` from the stored counts ``passk``
+    (``{"checkpoints": [...]}``, each with ``label`` and ``rl_step``), keeping the rest (the
+    protocol, stability and training tables come from the runs' directories, not stored)."""
+    text = path.read_text(encoding="utf-8")
+    start, end = text.index("## Results after "), text.index("## Stability")
+    by_budget: dict[int, list[dict]] = {}
+    entries = json.loads(passk.read_text(encoding="utf-8"))["checkpoints"]
+    base = [e for e in entries if e["label"] == "base"]
+    for e in entries:
+        if e["label"] != "base":
+            by_budget.setdefault(int(e["rl_step"]), list(base)).append(e)
+    groups = analysis.group(by_budget[max(by_budget)])
+    methods = [m for m in METHOD_NOTES if m in groups]
+    sections = passk_sections(by_budget, methods, max(by_budget), path.with_suffix(".png").name)
+    path.write_text(text[:start] + "\n".join(sections) + "\n" + text[end:], encoding="utf-8")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=recompute.__doc__.split("\n")[0])
+    parser.add_argument("report", type=Path, help="e.g. docs/results/coverage.md")
+    parser.add_argument("passk", type=Path, help="e.g. docs/results/coverage_passk.json")
+    cli = parser.parse_args()
+    recompute(cli.report, cli.passk)

@@ -14,7 +14,7 @@ from report import _ci, _train_mean
 from rl import WEIGHT_VARIANTS
 from task import POLICY_DIM, SFT_LR
 
-from reco_megatron.eval.stats import sign_flip_p
+from reco_megatron.eval.stats import holm, sign_flip_p
 
 FINAL = [("pass1", "pass@1"), ("entropy", "H valid (nats)"), ("distinct", "distinct of 16")]
 
@@ -35,6 +35,25 @@ def load_units(units: Path, lengths: list[int], methods: list[str]) -> dict[int,
 
 def _final(unit: dict, key: str) -> float:
     return float(unit["curves"][key][-1])
+
+
+DELTAS = ("entropy", "distinct", "pass1")
+"""The measures compared with GRPO, in the table's order."""
+
+
+def paired_tests(data: dict[int, dict], methods: list[str]) -> dict[tuple, tuple]:
+    """``{(L, method, measure): (Δ per seed, sign-flip p)}`` for every method against
+    ``grpo`` at every length with at least 2 seeds: the report's family of tests."""
+    out = {}
+    for length, d in data.items():
+        seeds = sorted(next(iter(d.values()), {}))
+        if len(seeds) < 2 or "grpo" not in d:
+            continue
+        for m in methods:
+            for k in DELTAS if m != "grpo" else ():
+                delta = np.array([_final(d[m][s], k) - _final(d["grpo"][s], k) for s in seeds])
+                out[(length, m, k)] = (delta, sign_flip_p(delta))
+    return out
 
 
 def write_length_report(path: Path, units: Path, info: dict[str, Any]) -> None:
@@ -99,6 +118,8 @@ def write_length_report(path: Path, units: Path, info: dict[str, Any]) -> None:
             t = np.mean([_train_mean(u["curves"], f"w_lt1_tok_{mode}") for u in grpo.values()])
             cells.append(f"{r:.3f} / {t:.3f}")
         lines.append(f"| {length} | " + " | ".join(cells) + " |")
+    tests = paired_tests(data, methods)
+    adjusted = dict(zip(tests, holm(np.array([p for _, p in tests.values()])), strict=True))
     for length in lengths:
         d = data[length]
         seeds = sorted(next(iter(d.values()), {}))
@@ -122,7 +143,8 @@ def write_length_report(path: Path, units: Path, info: dict[str, Any]) -> None:
         lines += [
             "",
             "Paired Δ = method - grpo (same seed): mean [95 % CI], wins = seeds with Δ > 0, "
-            "p = sign-flip test.",
+            "p = sign-flip test, in brackets Holm-adjusted over all "
+            f"{len(tests)} tests of this report (every length, method and measure).",
             "",
             "| method | Δ H valid | wins | p | Δ distinct of 16 | wins | p | Δ pass@1 | p |",
             "|---|---|---|---|---|---|---|---|---|",
@@ -131,12 +153,12 @@ def write_length_report(path: Path, units: Path, info: dict[str, Any]) -> None:
             if m == "grpo":
                 continue
             row = [m]
-            for k in ("entropy", "distinct", "pass1"):
-                delta = np.array([_final(d[m][s], k) - _final(d["grpo"][s], k) for s in seeds])
+            for k in DELTAS:
+                delta, p = tests[(length, m, k)]
                 row.append(_ci(delta))
                 if k != "pass1":
                     row.append(f"{int((delta > 0).sum())}/{len(delta)}")
-                row.append(f"{sign_flip_p(delta):.2g}")
+                row.append(f"{p:.2g} ({adjusted[(length, m, k)]:.2g})")
             lines.append("| " + " | ".join(row) + " |")
     old = path.read_text(encoding="utf-8") if path.exists() else ""
     discussion = old[old.index("## Discussion") :] if "## Discussion" in old else ""

@@ -175,9 +175,10 @@ def write_report(path: Path, results: list[dict], sweep: dict, info: dict[str, A
         lines += [
             "",
             "Answer entropy at matched pass@1, to separate keeping answers from learning "
-            "slower: for each comparison, the highest multiple of 0.05 that every run of both "
-            "methods reaches (and the start does not), entropy interpolated where each run "
-            "first reaches it.",
+            "slower: for each comparison, the largest multiple of 0.05 at or below the lowest "
+            "final pass@1 among the runs of both methods (so every run reaches it by its end; "
+            "a higher level that every run passed at some point is not searched for), above "
+            "the start's, entropy interpolated where each run first reaches it.",
             "",
             "| method | matched pass@1 | Δ H there | wins | p |",
             "|---|---|---|---|---|",

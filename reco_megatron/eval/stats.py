@@ -1,5 +1,6 @@
 """Statistics of the experiments (numpy only): bootstrap intervals of a mean over seeds, the
-two-level bootstrap over seeds and problems, and the paired sign-flip permutation test.
+two-level bootstrap over seeds and problems, the paired sign-flip permutation test, and
+Holm's adjustment for a family of such tests.
 
 Used by ``examples/mechanism`` (seeds) and ``examples/coverage`` (seeds x held-out problems).
 """
@@ -38,6 +39,20 @@ def sign_flip_p(d: np.ndarray, n_perm: int = 200_000, seed: int = 0) -> float:
         signs = np.random.default_rng(seed).choice((-1.0, 1.0), size=(n_perm, n))
     stats = np.abs(signs @ d) / n
     return float(np.mean(stats >= observed - 1e-12))
+
+
+def holm(p: np.ndarray) -> np.ndarray:
+    """Holm's step-down adjustment of the p-values ``p`` ``[m]`` of one family of tests:
+    the i-th smallest becomes ``max_{j <= i} min(1, (m - j + 1) p_(j))``. Rejecting where the
+    adjusted value is below alpha keeps the chance of any false rejection in the family at
+    most alpha, whatever the tests' dependence."""
+    p = np.asarray(p, dtype=float)
+    m = len(p)
+    order = np.argsort(p, kind="stable")
+    scaled = np.minimum(1.0, (m - np.arange(m)) * p[order])
+    out = np.empty(m)
+    out[order] = np.maximum.accumulate(scaled)
+    return out
 
 
 def seed_problem_bootstrap(

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from reco_megatron.config import ConfigError, load_config, read_yaml
+from reco_megatron.config import ConfigError, load_config, loader, read_yaml
 from reco_megatron.config.bounded_yaml import MAX_BYTES, MAX_NODES, load_bounded
 from reco_megatron.trainer.config import TrainConfig
 
@@ -50,8 +50,30 @@ def test_the_node_cap_can_be_raised(monkeypatch, tmp_path):
 def test_large_file_is_refused_unread(monkeypatch, tmp_path):
     path = tmp_path / "big.yaml"
     path.write_text("# " + "x" * (MAX_BYTES + 10) + "\n")
-    with pytest.raises(ConfigError, match=r"larger than 1048576 bytes.*RECO_CONFIG_MAX_BYTES"):
-        read_yaml(path)
+    taken: list[int] = []  # bytes handed out by every read of the file
+    real_open = Path.open
+
+    def counting_open(self, *args, **kwargs):
+        f = real_open(self, *args, **kwargs)
+        read = f.read
+
+        def counted(*a):
+            data = read(*a)
+            taken.append(len(data))
+            return data
+
+        f.read = counted
+        return f
+
+    def not_parsed(text, **_):
+        raise AssertionError("an oversized file reached the YAML parser")
+
+    with monkeypatch.context() as m:
+        m.setattr(Path, "open", counting_open)
+        m.setattr(loader, "load_bounded", not_parsed)
+        with pytest.raises(ConfigError, match=r"larger than 1048576 bytes.*RECO_CONFIG_MAX_BYTES"):
+            read_yaml(path)
+    assert sum(taken) == MAX_BYTES + 1  # one byte past the cap tells; the rest stays unread
     monkeypatch.setenv("RECO_CONFIG_MAX_BYTES", str(4 * MAX_BYTES))
     assert read_yaml(path) == {}
 
@@ -77,9 +99,15 @@ def test_merge_keys_and_shared_aliases_still_load():
     }
 
 
-def test_recursive_alias_is_one_line():
-    with pytest.raises(ConfigError, match="refers to itself"):
+def test_recursive_alias_is_one_line(tmp_path):
+    with pytest.raises(ConfigError) as err:
         load_bounded("a: &a [*a]")
+    assert str(err.value).splitlines() == ["the config refers to itself (a recursive YAML alias)"]
+    path = tmp_path / "loop.yaml"  # from a file: one problem under the file's name
+    path.write_text("a: &a [*a]\n")
+    with pytest.raises(ConfigError) as err:
+        read_yaml(path)
+    assert err.value.problems == ("the config refers to itself (a recursive YAML alias)",)
 
 
 def test_every_shipped_config_is_far_below_the_caps():

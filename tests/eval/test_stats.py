@@ -32,3 +32,11 @@ def test_seed_problem_bootstrap_sees_both_levels_of_noise() -> None:
     assert stats.seed_problem_bootstrap(np.full((3, 4), 0.5)) == (0.5, 0.5)
     with pytest.raises(ValueError, match=r"\[seeds, problems\]"):
         stats.seed_problem_bootstrap(np.ones(5))
+
+
+def test_holm_adjusts_step_down() -> None:
+    # m = 4: sorted 0.01, 0.02, 0.03, 0.5 -> 0.04, 0.06, 0.06 (kept monotone), 0.5
+    adjusted = stats.holm(np.array([0.03, 0.5, 0.01, 0.02]))
+    np.testing.assert_allclose(adjusted, [0.06, 0.5, 0.04, 0.06])
+    assert stats.holm(np.array([0.9, 0.8]))[0] == 1.0  # capped at 1
+    np.testing.assert_allclose(stats.holm(np.array([0.2])), [0.2])  # one test: unchanged

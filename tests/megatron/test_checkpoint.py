@@ -96,9 +96,22 @@ def test_tp2_checkpoint_loads_at_tp1(reference, tmp_path) -> None:
         assert torch.equal(loaded[name], value), name
 
 
+def _retention_body(rank, world_size, root, reference):
+    engine = _reco.build_engine()
+    _reco.load_full(engine, reference)
+    kept = []
+    for step in (0, 3, 4, 5):
+        save_checkpoint(root, step, engine, {"step": step}, keep_last=2)
+        kept.append(sorted(p.name for p in Path(root).iterdir() if p.name != "latest"))
+    return kept
+
+
 def test_retention_and_crash_leftovers(reference, tmp_path) -> None:
     root = tmp_path / "ckpt"
-    run_distributed(_save_body, 1, args=(1, str(root), reference), timeout=120)
+    kept = run_distributed(_retention_body, 1, args=(str(root), reference), timeout=180)[0]
+    # keep_last=2 keeps the two newest, never step 0 (the warm-up's end), and nothing else
+    steps = [f"step_0000000{s}" for s in (0, 3, 4, 5)]
+    assert kept == [steps[:1], steps[:2], steps[:3], [steps[0], *steps[2:]]]
     # A crash mid-save leaves a .tmp directory: it is never taken for a checkpoint.
     (root / ".tmp-step_00000009" / "dist").mkdir(parents=True)
     assert latest_checkpoint(root) == root / "step_00000005"

@@ -31,7 +31,10 @@ def test_a_file_as_target_is_one_line_naming_it(tmp_path, caplog) -> None:
     target.write_text("mine")
     code, text = _export_log([str(tmp_path / "no-checkpoint"), str(target)], caplog)
     assert code == 2
-    assert f"the export target {str(target)!r} is a regular file, not a directory" in text
+    (line,) = text.strip().splitlines()  # one line: no traceback, nothing after it
+    assert f"the export target {str(target)!r} is a regular file, not a directory" in line
+    (record,) = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert record.exc_info is None and record.stack_info is None
     assert target.read_text() == "mine"
 
 

@@ -8,7 +8,9 @@ them, and assert only that the child ends."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -109,17 +111,40 @@ def test_children_die_with_a_sigkilled_trainer(tmp_path) -> None:
         assert _ends(pid), f"pid {pid} outlived its SIGKILLed trainer"
 
 
-def test_kill_subtree_reaches_every_depth() -> None:
-    script = "import os, time\nif os.fork() == 0:\n    os.setsid()\ntime.sleep(3600)\n"
-    proc = subprocess.Popen([sys.executable, "-c", script])
+_CHAIN = textwrap.dedent(
+    """
+    import os, sys, time
+    for _ in range(int(sys.argv[2])):  # each level forks the next and leaves its session
+        if os.fork() != 0:
+            break
+        os.setsid()
+        with open(sys.argv[1], "a") as f:
+            f.write(f"{os.getpid()}\\n")
+    time.sleep(3600)
+    """
+)
+
+
+def test_kill_subtree_reaches_every_depth(tmp_path) -> None:
+    """A chain four levels deep below ``proc``, each level in a session of its own: the scan
+    finds all of them (not only the direct child) and the kill ends every one."""
+    pids, depth = tmp_path / "pids", 4
+    proc = subprocess.Popen([sys.executable, "-c", _CHAIN, str(pids), str(depth)])
     try:
         deadline = time.monotonic() + 60
-        while len(descendants(proc.pid)) < 1 and time.monotonic() < deadline:
+        while time.monotonic() < deadline and not (pids.exists() and len(_pids(pids)) == depth):
             time.sleep(0.05)
-        below = descendants(proc.pid)
-        assert len(below) == 1
-        assert kill_subtree(proc.pid) >= 1
-        assert _ends(below[0])
+        chain = _pids(pids)
+        assert len(chain) == depth
+        assert sorted(descendants(proc.pid)) == sorted(chain)
+        assert sorted(descendants(chain[1])) == sorted(chain[2:])  # from the middle too
+        assert kill_subtree(proc.pid) >= depth
+        for pid in chain:
+            assert _ends(pid), f"pid {pid} ({chain.index(pid) + 1} levels down) outlived the kill"
+        assert _alive(proc.pid)  # the root itself is not part of its subtree
     finally:
+        for pid in _pids(pids) if pids.exists() else []:  # a failed kill leaves none behind
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         proc.kill()
         proc.wait(timeout=30)

