@@ -58,7 +58,10 @@ class ModelDecoder(Protocol):
 
     vocab_size: int
     max_model_len: int
-    max_batch_size: int
+
+    def max_rows(self, length: int) -> int:
+        """Rows one :meth:`decode` call may take when its rows need ``length`` positions."""
+        ...
 
     def decode(
         self,
@@ -66,8 +69,10 @@ class ModelDecoder(Protocol):
         noise: torch.Tensor,
         stop_ids: Sequence[int],
         sample: SampleFn,
+        sample_key: object = None,
     ) -> Sequence[DecodedRow]:
-        """Rows ``[b]`` decoded with ``noise [b, max_new_tokens]`` and ``sample``."""
+        """Rows ``[b]`` decoded with ``noise [b, max_new_tokens]`` and ``sample``
+        (``sample_key``: a hashable naming ``sample``'s settings)."""
         ...
 
     def free_cache(self) -> None:
@@ -152,8 +157,9 @@ class MegatronEngine(SeededCalls, RolloutEngine):
     ) -> list[list[Completion]]:
         """``n`` completions per prompt; ``result[i][j]`` is sample ``j`` of prompt ``i``.
 
-        Same grouping, noise and sampling as the embedded engine (module docstring); chunks
-        hold at most ``decoder.max_batch_size`` rows, sorted by prompt length.
+        Same grouping, noise and sampling as the embedded engine (module docstring); a call
+        holds at most ``decoder.max_rows(...)`` rows (all of a setting's rows by default),
+        sorted by prompt length.
         """
         self._check_open()
         params = self._admit(prompt_token_ids, n, sampling)
@@ -161,29 +167,32 @@ class MegatronEngine(SeededCalls, RolloutEngine):
         self._calls += 1
         start = time.perf_counter()
         out: list[list[Completion | None]] = [[None] * n for _ in prompt_token_ids]
-        size = self.decoder.max_batch_size
         calls = []
         for setting, members in group_by_setting(params).items():
             stop_ids = sorted(set(self.config.eos_token_ids) | set(setting.stop_token_ids))
-            # Rows of similar prompt length share a chunk: the decoder feeds the longer prompts
-            # of a chunk one token per step, so mixed lengths cost steps (never results: a
-            # row's noise and tokens do not depend on its chunk).
+            # Rows of similar prompt length share a call when they do not all fit in one
+            # (less padding in the prefill; never other results: a row's noise and tokens do
+            # not depend on its call).
             rows = sorted(
                 ((i, j) for i in members for j in range(n)),
                 key=lambda row: len(prompt_token_ids[row[0]]),
             )
+            longest = max(len(prompt_token_ids[i]) for i in members)
+            size = self.decoder.max_rows(longest + setting.max_new_tokens)
             sample = partial(sample_next, sampling=setting)
-            calls += [(rows[lo : lo + size], stop_ids, sample) for lo in range(0, len(rows), size)]
+            for lo in range(0, len(rows), size):
+                calls.append((rows[lo : lo + size], stop_ids, sample, setting))
         # Expert-parallel decoders run their MoE layers together: every rank makes as many
         # decode calls as the busiest (the others idle); other decoders have no such method.
         lockstep = getattr(self.decoder, "lockstep_calls", None)
         idle = (lockstep(len(calls)) if lockstep is not None else len(calls)) - len(calls)
-        for chunk, stop_ids, sample in calls:
+        for chunk, stop_ids, sample, setting in calls:
             decoded = self.decoder.decode(
                 [prompt_token_ids[i] for i, _ in chunk],
                 torch.stack([noise[i][j] for i, j in chunk]),
                 stop_ids,
                 sample,
+                sample_key=setting,
             )
             for (i, j), row in zip(chunk, decoded, strict=True):
                 out[i][j] = Completion(

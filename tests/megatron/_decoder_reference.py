@@ -2,7 +2,8 @@
 
 ``decoder_reference.json`` holds the tokens and log-probs the engine's first decoder (megatron
 -core's static inference path, right padding, prefill up to the shortest prompt) produced on the
-tiny dense Llama and the tiny Qwen3-MoE of the engine tests, with fixed seeds, on CPU in fp32.
+tiny dense Llama and the tiny Qwen3-MoE of the engine tests with seeded weights
+(:func:`seeded_weights`, the same at every layout) and fixed sampling seeds, on CPU in fp32.
 ``test_decoder_reference.py`` checks that today's decoder gives the same tokens and log-probs
 within 1e-5 at every layout. Regenerate only on purpose (the file is the old code's answer)::
 
@@ -42,11 +43,27 @@ def outputs(engine: Any, rollout: Any) -> dict[str, Any]:
     return got
 
 
+def seeded_weights(full: dict[str, Any]) -> dict[str, Any]:
+    """Weights that depend on nothing but the names and shapes (the same at every layout:
+    megatron's own initialisation seeds each pipeline stage differently)."""
+    import torch
+
+    out = {}
+    for k, name in enumerate(sorted(full)):
+        gen = torch.Generator().manual_seed(1000 + k)
+        noise = torch.randn(full[name].shape, generator=gen, dtype=torch.float32)
+        is_norm = full[name].dim() == 1 and "norm" in name
+        out[name] = (1.0 + 0.1 * noise if is_norm else 0.3 * noise).to(full[name].dtype)
+    return out
+
+
 def dense_body(rank: int, world: int, tp: int = 1, pp: int = 1, max_batch_size: int = 4) -> Any:
-    from tests.megatron._reco import build_engine
+    from tests.megatron import _reco
     from tests.megatron._rollout import rollout_engine
 
-    engine = build_engine(tp=tp, pp=pp, micro_batch_size=2)
+    engine = _reco.build_engine(tp=tp, pp=pp, micro_batch_size=2)
+    full = _reco.gather_stages(_reco.full_params(engine))
+    _reco.load_full(engine, seeded_weights(full))
     return outputs(engine, rollout_engine(engine, max_batch_size=max_batch_size))
 
 
@@ -56,6 +73,7 @@ def moe_body(rank: int, world: int, ep: int = 1, max_batch_size: int = 4) -> Any
     from tests.megatron import _moe
 
     engine = _moe.build_engine(ep=ep, routing_replay="record")
+    _moe.load_full(engine, seeded_weights(_moe.full_params(engine)))
     decoder = MegatronDecoder(
         engine.unwrapped(),
         vocab_size=engine.model_cfg.vocab_size,
