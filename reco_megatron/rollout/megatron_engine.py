@@ -91,10 +91,11 @@ class MegatronEngineConfig:
     eos_token_ids: tuple[int, ...] = ()
     """Token ids that end every response (on top of ``SamplingParams.stop_token_ids``)."""
 
-    release_cache_after_generate: bool = True
+    release_cache_after_generate: bool = False
     """Free the KV cache when :meth:`MegatronEngine.generate` returns, so the trainer's update
-    gets the memory back without a :meth:`~MegatronEngine.sleep` call (re-allocating it costs
-    one allocation per layer per call); ``False`` keeps it for back-to-back calls."""
+    gets the memory back without a :meth:`~MegatronEngine.sleep` call (the next call allocates
+    it again and, on a GPU, captures its decode steps again); ``False`` (the default) keeps it
+    for the next call."""
 
     def __post_init__(self) -> None:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
