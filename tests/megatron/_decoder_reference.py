@@ -26,6 +26,8 @@ SETTINGS = {
     "topk_topp_stop": SamplingParams(
         temperature=0.8, top_k=20, top_p=0.9, max_new_tokens=12, stop_token_ids=(3, 11, 50)
     ),
+    # a third of the vocabulary stops: rows end at many different steps
+    "many_stops": SamplingParams(max_new_tokens=16, stop_token_ids=tuple(range(0, 100, 3))),
 }
 SEED = 7
 
@@ -57,14 +59,25 @@ def seeded_weights(full: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def dense_body(rank: int, world: int, tp: int = 1, pp: int = 1, max_batch_size: int = 4) -> Any:
+def dense_body(
+    rank: int, world: int, tp: int = 1, pp: int = 1, max_batch_size: int = 4, **decoder: Any
+) -> Any:
+    """``decoder``: further ``MegatronDecoder`` arguments (e.g. ``sync_every``)."""
+    from reco_megatron.megatron.decoding.decoder import MegatronDecoder
+    from reco_megatron.rollout.megatron_engine import MegatronEngine, MegatronEngineConfig
     from tests.megatron import _reco
-    from tests.megatron._rollout import rollout_engine
 
     engine = _reco.build_engine(tp=tp, pp=pp, micro_batch_size=2)
     full = _reco.gather_stages(_reco.full_params(engine))
     _reco.load_full(engine, seeded_weights(full))
-    return outputs(engine, rollout_engine(engine, max_batch_size=max_batch_size))
+    decoding = MegatronDecoder(
+        engine.unwrapped(),
+        vocab_size=engine.model_cfg.vocab_size,
+        max_model_len=engine.model_cfg.max_position_embeddings,
+        max_batch_size=max_batch_size,
+        **decoder,
+    )
+    return outputs(engine, MegatronEngine(decoding, MegatronEngineConfig(seed=0)))
 
 
 def moe_body(rank: int, world: int, ep: int = 1, max_batch_size: int = 4) -> Any:

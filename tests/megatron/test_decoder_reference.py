@@ -40,6 +40,14 @@ def test_dense_decoder_matches_the_reference(tp: int, pp: int) -> None:
         _compare(got, want)
 
 
+def test_rows_moved_into_smaller_batches_decode_the_same() -> None:
+    # a host read after every step: rows that stopped leave the batch at once and the live
+    # rows (and their keys and values) move into batches of 8, 4, 2, 1 rows
+    want = json.loads(ref.FIXTURE.read_text())["dense"]
+    got = run_distributed(ref.dense_body, 1, args=(1, 1, None), kwargs={"sync_every": 1})[0]
+    _compare(got, want)
+
+
 @pytest.mark.parametrize("ep", [1, 2], ids=["ep1", "ep2"])
 def test_moe_decoder_matches_the_reference(ep: int) -> None:
     want = json.loads(ref.FIXTURE.read_text())["moe"]

@@ -16,9 +16,7 @@ A call (:meth:`MegatronDecoder.decode`):
 * on a CUDA device each batch size's step is captured as a CUDA graph after a warm-up and
   replayed (:mod:`.graphs`); the CPU runs the same code eagerly.
 
-Row ``r``'s ``t``-th response token always uses ``noise[r, t]``, whatever the batch, so the
-samples do not depend on batching (the embedded engine draws the same ones).
-
+Row ``r``'s ``t``-th response token uses ``noise[r, t]`` in any batch (as the embedded engine).
 Pipeline parallelism: each stage receives the previous stage's hidden states, the last stage
 samples and broadcasts tokens and log-probs over the pipeline group, so every stage keeps the
 same state. Tensor-parallel ranks run the same rows and sample the same tokens from logits
@@ -295,7 +293,7 @@ class MegatronDecoder:
 
         ``noise``: ``[b, max_new_tokens]`` uniforms; row ``r``'s ``t``-th response token is
         drawn with ``noise[r, t]`` by ``sample``. ``sample_key``: a hashable naming ``sample``'s
-        settings (captured steps are reused across calls with equal keys; None: never reused).
+        settings (captured steps are reused across calls with equal keys; None: no capture).
         Every rank of the model-parallel group calls this with the same arguments.
         """
         b, max_new = noise.shape
@@ -323,7 +321,7 @@ class MegatronDecoder:
             dtype = routed_dtype(self.routing.num_experts)
             state.routed = torch.full(shape, MISSING, dtype=dtype, device=self.device)
             self.routing.record_all(True)
-        key = (window, max_new, sample_key if sample_key is not None else object())
+        key = None if sample_key is None else (window, max_new, sample_key)
         was_training = self.model.training
         self.model.eval()
         try:
@@ -366,7 +364,10 @@ class MegatronDecoder:
                     self._idle_forward()  # this rank is done, expert-parallel peers are not
                     continue
                 step = partial(self._step, state, slots, window, sample)
-                self.graphs.run((slots.size, key), step)
+                if key is None:  # an unnamed sampler: nothing to reuse a capture for
+                    step()
+                else:
+                    self.graphs.run((slots.size, key), step)
                 steps_left -= 1
             if slots is not None:
                 slots = self._shrink(state, slots)
