@@ -9,7 +9,7 @@ setting and chunked by rows, sampling by inverse CDF with the log-prob of the te
 untruncated distribution (:func:`sample_next`). So for the same model, prompts and seeds this
 engine draws the same uniforms, applies the same truncation and reports the same convention as
 :class:`reco_megatron.rollout.embedded.EmbeddedEngine`; only the forward differs (megatron's
-kernels, right padding with true positions, see ``docs/rollout.md``).
+modules around its own attention and KV cache, see ``docs/rollout.md``).
 
 Weights: the decoder reads the trainer's live parameters, so there is nothing to load.
 :meth:`MegatronEngine.update_weights` takes an *empty* stream (what
@@ -140,8 +140,8 @@ class MegatronEngine(SeededCalls, RolloutEngine):
     def _load_weights(self, stream: Iterator[tuple[str, torch.Tensor]]) -> None:
         """Accept only the empty stream: the weights are the trainer's own, always current.
 
-        Nothing is cached across calls (the KV cache is rebuilt for every chunk), so the sync
-        is a no-op; a non-empty stream raises instead of overwriting the policy.
+        The KV cache kept between calls holds finished calls' keys only (every call writes its
+        own), so the sync is a no-op; a non-empty stream raises instead of overwriting the policy.
         """
         self._check_open()
         names = [name for name, _ in stream]
