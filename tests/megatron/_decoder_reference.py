@@ -80,6 +80,15 @@ def dense_body(
     return outputs(engine, MegatronEngine(decoding, MegatronEngineConfig(seed=0)))
 
 
+def small_prefill_body(rank: int, world: int, moe: bool) -> Any:
+    """:func:`dense_body` or :func:`moe_body` with the prefill's score budget at one byte:
+    every prompt prefills in a forward of its own (at expert parallelism 1)."""
+    from reco_megatron.megatron.decoding import stage
+
+    stage.PREFILL_SCORE_BYTES = 1
+    return moe_body(rank, world, 1, None) if moe else dense_body(rank, world, 1, 1, None)
+
+
 def moe_body(rank: int, world: int, ep: int = 1, max_batch_size: int = 4) -> Any:
     from reco_megatron.megatron.decoding.decoder import MegatronDecoder
     from reco_megatron.rollout.megatron_engine import MegatronEngine, MegatronEngineConfig

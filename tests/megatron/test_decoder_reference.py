@@ -48,6 +48,18 @@ def test_rows_moved_into_smaller_batches_decode_the_same() -> None:
     _compare(got, want)
 
 
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_a_prefill_split_into_groups_of_rows_decodes_the_same(moe: bool) -> None:
+    # long prompts prefill in groups of rows (bounded attention scores): one row per forward
+    # here, with the routed experts of each group stored at its own rows
+    want = json.loads(ref.FIXTURE.read_text())["moe" if moe else "dense"]
+    got = run_distributed(ref.small_prefill_body, 1, args=(moe,), timeout=300)[0]
+    _compare(got, want)
+    if moe:
+        for g, w in zip(got["routed"], want["routed"], strict=True):
+            assert g[:-1] == w[:-1]
+
+
 @pytest.mark.parametrize("ep", [1, 2], ids=["ep1", "ep2"])
 def test_moe_decoder_matches_the_reference(ep: int) -> None:
     want = json.loads(ref.FIXTURE.read_text())["moe"]

@@ -69,13 +69,13 @@ class KVCache:
         self.kv[layer, 0][slots, :, positions] = k.transpose(0, 1)
         self.kv[layer, 1][slots, :, positions] = v.transpose(0, 1)
 
-    def keys(self, layer: int, rows: int, length: int) -> torch.Tensor:
-        """``[rows, kv_heads, length, head_dim]`` view of the first ``rows`` slots."""
-        return self.kv[layer, 0, :rows, :, :length]
+    def keys(self, layer: int, slots: slice, length: int) -> torch.Tensor:
+        """``[rows, kv_heads, length, head_dim]`` view of the ``slots``."""
+        return self.kv[layer, 0, slots, :, :length]
 
-    def values(self, layer: int, rows: int, length: int) -> torch.Tensor:
-        """``[rows, kv_heads, length, head_dim]`` view of the first ``rows`` slots."""
-        return self.kv[layer, 1, :rows, :, :length]
+    def values(self, layer: int, slots: slice, length: int) -> torch.Tensor:
+        """``[rows, kv_heads, length, head_dim]`` view of the ``slots``."""
+        return self.kv[layer, 1, slots, :, :length]
 
     def compact(self, order: torch.Tensor) -> None:
         """Slot ``j`` takes slot ``order[j]``'s keys and values, for ``j < len(order)``."""

@@ -45,17 +45,19 @@ from reco_megatron.megatron.decoding.graphs import StepGraphs
 from reco_megatron.megatron.decoding.groups import StageGroups
 from reco_megatron.megatron.decoding.sequence_parallel import sequence_parallel_off
 from reco_megatron.megatron.decoding.stage import StageForward
-from reco_megatron.megatron.decoding.state import CallState, Decoded, Slots, advance, bucket
-from reco_megatron.utils.logging import get_logger
-
-logger = get_logger(__name__)
+from reco_megatron.megatron.decoding.state import (
+    CallState,
+    Decoded,
+    Slots,
+    advance,
+    bucket,
+    prompt_batch,
+    window_for,
+)
 
 SampleFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 """``sample(logits [b, V] fp32, uniforms [b] fp64) -> (tokens [b] long, logprobs [b] fp32)``,
 tensor code only (it runs inside a captured step)."""
-
-WINDOW_MULTIPLE = 64
-"""Attention windows are rounded up to this many positions (fewer distinct step shapes)."""
 
 
 class MegatronDecoder:
@@ -103,9 +105,7 @@ class MegatronDecoder:
         if sync_every < 1:
             raise ValueError(f"sync_every must be >= 1, got {sync_every}")
         if record_routing and routing is None:
-            raise ValueError(
-                "record_routing needs the model's routing (a mixture-of-experts model)"
-            )
+            raise ValueError("record_routing needs the model's routing (an MoE model)")
         self.model = chunks[0]
         self.vocab_size = int(vocab_size)
         self.max_model_len = int(max_model_len)
@@ -165,7 +165,7 @@ class MegatronDecoder:
         ``auto`` as many as fit in :meth:`kv_limit` (at least 1)."""
         if self.max_batch_size is not None:
             return self.max_batch_size
-        per_row = max(self.stage.bytes_per_row(_window(length, self.max_model_len)), 1)
+        per_row = max(self.stage.bytes_per_row(window_for(length, self.max_model_len)), 1)
         return max(1, self.kv_limit() // per_row)
 
     def _cache_for(self, rows: int, window: int) -> None:
@@ -217,25 +217,27 @@ class MegatronDecoder:
     def _prefill(
         self, state: CallState, prompts: Sequence[Sequence[int]], window: int, sample: SampleFn
     ) -> Slots:
-        """Feed every prompt in one forward, sample each row's first response token."""
-        b = len(prompts)
-        lengths = [len(p) for p in prompts]
+        """Feed every prompt (one forward, or one per group of rows when the attention
+        scores would be large; one under expert parallelism), sample each first token."""
+        b, lengths = len(prompts), [len(p) for p in prompts]
         longest = max(lengths)
-        buf = torch.full((b, longest), self.pad_id, dtype=torch.long)
-        for r, p in enumerate(prompts):
-            buf[r, : len(p)] = torch.tensor(list(p), dtype=torch.long)
-        tokens = buf.to(self.device)
-        positions = torch.arange(longest, device=self.device).expand(b, -1)
-        last = torch.tensor(lengths, device=self.device) - 1
+        tokens, positions, last = prompt_batch(prompts, self.pad_id, self.device)
         slots = self.graphs.slots(b)
         slots.rows.copy_(torch.arange(b, device=self.device))
         slots.positions.copy_(last)
-        logits = self.stage.forward(self._cache, window, tokens, positions, slots.index, last)
-        if self.routing is not None:  # the prompt positions of every row
-            valid = [(r, t) for r, n in enumerate(lengths) for t in range(n)]
-            rows = torch.tensor([r for r, _ in valid], device=self.device)
-            fed = torch.tensor([t for _, t in valid], device=self.device)
-            state.record(self.routing.take_records(), longest, (rows, fed), rows, fed)
+        step = b if self._ep_group is not None else self.stage.prefill_rows(longest, window)
+        parts = []
+        for lo in range(0, b, step):
+            part = slice(lo, min(b, lo + step))
+            index = slots.index[part]
+            args = (tokens[part], positions[part], index, last[part], lo)
+            parts.append(self.stage.forward(self._cache, window, *args))
+            if self.routing is not None:  # the prompt positions of these rows
+                valid = [(r, t) for r in range(part.start, part.stop) for t in range(lengths[r])]
+                rows = torch.tensor([r for r, _ in valid], device=self.device)
+                fed = torch.tensor([t for _, t in valid], device=self.device)
+                state.record(self.routing.take_records(), longest, (rows - lo, fed), rows, fed)
+        logits = None if parts[0] is None else torch.cat(parts)
         self._sample_and_advance(state, slots, logits, sample)
         return slots
 
@@ -311,7 +313,7 @@ class MegatronDecoder:
             )
         if b > self.max_rows(total):
             raise ValueError(f"{b} rows > {self.max_rows(total)} that fit the KV cache")
-        window = _window(total, self.max_model_len)
+        window = window_for(total, self.max_model_len)
         self._cache_for(b, window)
         state = self._call_state(noise, stop_ids)
         if self.routing is not None:
@@ -371,10 +373,3 @@ class MegatronDecoder:
                 steps_left -= 1
             if slots is not None:
                 slots = self._shrink(state, slots)
-
-
-def _window(total: int, max_model_len: int) -> int:
-    """Cache positions a call attends over: ``total`` rounded up to
-    :data:`WINDOW_MULTIPLE`, at most ``max_model_len``."""
-    rounded = -(-total // WINDOW_MULTIPLE) * WINDOW_MULTIPLE
-    return min(rounded, max_model_len)

@@ -32,6 +32,9 @@ from reco_megatron.megatron.decoding.attention import (
     grouped_attention,
 )
 
+PREFILL_SCORE_BYTES = 2**30
+"""Bound on a prefill forward's attention scores (long prompts prefill in groups of rows)."""
+
 
 def _unwrap(module: Any) -> Any:
     while hasattr(module, "module"):  # DDP, Float16Module
@@ -112,6 +115,12 @@ class StageForward:
         itemsize = torch.empty((), dtype=self.params_dtype).element_size()
         return 2 * len(self.layers) * self.kv_heads * length * self.head_dim * itemsize
 
+    def prefill_rows(self, length: int, window: int) -> int:
+        """Rows per prefill forward so that its fp32 attention scores
+        ``[rows, heads, length, window]`` stay within :data:`PREFILL_SCORE_BYTES`."""
+        per_row = 4 * max(self.heads, 1) * length * window
+        return max(1, PREFILL_SCORE_BYTES // per_row)
+
     # ----------------------------------------------------------------- forward
     def hidden_shape(self, b: int, s: int) -> tuple[int, int, int]:
         return (s, b, self.config.hidden_size)
@@ -124,9 +133,11 @@ class StageForward:
         positions: torch.Tensor,
         slots: torch.Tensor,
         last: torch.Tensor | None = None,
+        first_slot: int = 0,
     ) -> torch.Tensor | None:
-        """Feed ``tokens``/``positions`` ``[b, s]`` of cache slots ``slots [b, 1]``,
-        attending over the first ``window`` positions of the cache.
+        """Feed ``tokens``/``positions`` ``[b, s]`` of cache slots ``slots [b, 1]`` (which
+        are ``first_slot .. first_slot + b - 1``), attending over the first ``window``
+        positions of the cache.
 
         Returns the logits ``[b, vocab]`` (fp32) of position ``last [b]`` of every row
         (``s - 1`` when None) on the last stage, None on the others (their hidden states
@@ -143,8 +154,11 @@ class StageForward:
             hidden = hidden.to(self.params_dtype)
         cos, sin = self.rotary.at(positions)
         bias = causal_bias(positions, self.heads // max(self.kv_heads, 1), window)
+        rows = slice(first_slot, first_slot + b)
         for i, layer in enumerate(self.layers):
-            hidden = self._layer(layer, i, hidden, cache, window, slots, positions, cos, sin, bias)
+            hidden = self._layer(
+                layer, i, hidden, cache, window, slots, rows, positions, cos, sin, bias
+            )
         if not self.last:
             dist.send(
                 hidden.to(self._pipe_dtype()).contiguous(), dst=self.next_rank, group=self.pp_group
@@ -185,6 +199,7 @@ class StageForward:
         cache: KVCache,
         window: int,
         slots: torch.Tensor,
+        rows: slice,
         positions: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
@@ -200,13 +215,8 @@ class StageForward:
         q = self.rotary.apply(q, cos, sin)
         k = self.rotary.apply(k, cos, sin)
         cache.write(index, slots, positions, k, v)
-        ctx = grouped_attention(
-            q,
-            cache.keys(index, q.shape[1], window),
-            cache.values(index, q.shape[1], window),
-            bias,
-            self.scale,
-        )
+        keys, values = cache.keys(index, rows, window), cache.values(index, rows, window)
+        ctx = grouped_attention(q, keys, values, bias, self.scale)
         out_with_bias = attn.linear_proj(ctx)
         bda = layer.self_attn_bda(False, self.config.bias_dropout_fusion)
         hidden = bda(out_with_bias, residual, layer.hidden_dropout)

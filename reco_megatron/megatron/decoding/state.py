@@ -12,6 +12,7 @@ move the live rows into a smaller batch (:meth:`Slots.compacted`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -172,6 +173,20 @@ def advance(state: CallState, slots: Slots, tokens: torch.Tensor, logprobs: torc
     slots.positions.add_(live.long())
 
 
+def prompt_batch(
+    prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``tokens``, ``positions`` ``[b, longest]`` (right padding with ``pad_id``; every row
+    at positions ``0..longest-1``) and each row's last prompt position ``[b]``, on ``device``."""
+    b, longest = len(prompts), max(len(p) for p in prompts)
+    buf = torch.full((b, longest), pad_id, dtype=torch.long)
+    for r, p in enumerate(prompts):
+        buf[r, : len(p)] = torch.tensor(list(p), dtype=torch.long)
+    positions = torch.arange(longest, device=device).expand(b, -1)
+    last = torch.tensor([len(p) for p in prompts], device=device) - 1
+    return buf.to(device), positions, last
+
+
 def bucket(live: int, current: int) -> int:
     """The batch size for ``live`` rows decoded in a batch of ``current``: unchanged until
     half of it or fewer are live, then the next power of two >= ``live`` (a small set of
@@ -182,3 +197,14 @@ def bucket(live: int, current: int) -> int:
     while size < live:
         size *= 2
     return size
+
+
+WINDOW_MULTIPLE = 64
+"""Attention windows are rounded up to this many positions (fewer distinct step shapes)."""
+
+
+def window_for(total: int, max_model_len: int) -> int:
+    """Cache positions a call of ``total`` positions attends over: rounded up to
+    :data:`WINDOW_MULTIPLE`, at most ``max_model_len``."""
+    rounded = -(-total // WINDOW_MULTIPLE) * WINDOW_MULTIPLE
+    return min(rounded, max_model_len)
