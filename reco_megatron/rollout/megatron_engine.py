@@ -92,10 +92,11 @@ class MegatronEngineConfig:
     """Token ids that end every response (on top of ``SamplingParams.stop_token_ids``)."""
 
     release_cache_after_generate: bool = False
-    """Free the KV cache when :meth:`MegatronEngine.generate` returns, so the trainer's update
-    gets the memory back without a :meth:`~MegatronEngine.sleep` call (the next call allocates
-    it again and, on a GPU, captures its decode steps again); ``False`` (the default) keeps it
-    for the next call."""
+    """Free the KV cache (and on a GPU the captured decode steps) when
+    :meth:`MegatronEngine.generate` returns and at :meth:`~MegatronEngine.sleep`, so the
+    trainer's update gets the memory back (the next call allocates and captures again).
+    ``False`` (the default) keeps them through ``generate`` and ``sleep`` (which then only
+    refuses generation until ``wake``); :meth:`~MegatronEngine.close` always frees them."""
 
     def __post_init__(self) -> None:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
@@ -206,8 +207,7 @@ class MegatronEngine(SeededCalls, RolloutEngine):
                 )
         for _ in range(idle):
             self.decoder.decode_idle()
-        if self.config.release_cache_after_generate:
-            self._release_memory()
+        self._release_memory()
         logger.debug(
             "megatron generate: %d prompts x %d in %.2fs",
             len(out),
@@ -217,9 +217,11 @@ class MegatronEngine(SeededCalls, RolloutEngine):
         return [[c for c in group if c is not None] for group in out]
 
     def _release_memory(self) -> None:
-        """Free the KV cache (the weights are the trainer's and stay where they are)."""
+        """Free the KV cache unless it is kept (``release_cache_after_generate=False``); the
+        weights are the trainer's and stay where they are."""
         self._check_open()
-        self.decoder.free_cache()
+        if self.config.release_cache_after_generate:
+            self.decoder.free_cache()
 
     def _restore_memory(self, tag: str) -> None:
         """Nothing to do now: megatron allocates the KV cache lazily in the next forward."""

@@ -51,9 +51,9 @@ class RolloutConfig:
     a GPU, 4 GiB on the CPU."""
     keep_kv_cache: bool = True
     """Megatron engine: keep the KV cache (and on a GPU the captured decode steps) from one
-    step's generation to the next. ``false`` frees it when generation returns, so the update
-    gets that memory back (and the next generation allocates it again): set it when the
-    update runs out of memory next to the cache."""
+    step's generation to the next, through the update. ``false`` frees it when generation
+    returns, so the update gets that memory back (and the next generation allocates and
+    captures again): set it when the update runs out of memory next to the cache."""
 
     placement: Placement = "colocated"
     """``colocated``: every step generates on the trainer's ranks, then trains (one after the
