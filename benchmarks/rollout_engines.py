@@ -14,8 +14,11 @@ and the largest log-prob gap on the common prefix (bf16: responses diverge after
 on random weights, fp32 CPU: identical).
 
 The embedded arm can run on the first ``--embedded-prompts`` prompts only (it is slow on
-large jobs); both arms decode in chunks of ``--max-batch-size`` rows, so its tokens/s is that
-of the same chunk shape.
+large jobs). ``--max-batch-size auto`` (the default) is each engine's own way to batch: the
+megatron engine decodes all rows in one batch that shrinks as rows finish
+(``rollout.max_batch_size: auto``), the embedded engine takes all rows in one chunk, vLLM
+schedules up to all of them (``max_num_seqs``); a number makes every arm use chunks of that
+many rows.
 
 Run::
 
@@ -26,8 +29,8 @@ Run::
         # a ~1.2B Llama-3.2-1B-shaped model in bf16, 256 prompts x G 8 x 512 new tokens
 
 ``--out FILE`` is rewritten (atomically) after each arm, with ``"complete": false`` until the
-end. Not run on a GPU yet (no device was lent to the session that wrote it); ``--smoke`` runs
-on CPU.
+end. The megatron arm also reports its KV cache, the CUDA graphs it captured and its decoder's
+batch sizes. ``--smoke`` runs on CPU; the GPU size runs in the device check.
 """
 
 from __future__ import annotations
@@ -83,7 +86,9 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument("--group", type=int, default=None)
     parser.add_argument("--new-tokens", type=int, default=None)
     parser.add_argument("--prompt-len", type=int, nargs=2, default=(64, 128), metavar=("LO", "HI"))
-    parser.add_argument("--max-batch-size", type=int, default=None)
+    parser.add_argument(
+        "--max-batch-size", default="auto", help="rows per forward, or auto (see the docstring)"
+    )
     parser.add_argument("--embedded-prompts", type=int, default=None, help="default: all")
     parser.add_argument("--arms", default="megatron,embedded")
     parser.add_argument("--reps", type=int, default=None, help="timed calls per arm (median)")
@@ -93,12 +98,16 @@ def _arguments() -> argparse.Namespace:
     args = parser.parse_args()
     if args.smoke == args.gpu_1b:
         parser.error("pass exactly one of --smoke / --gpu-1b")
-    sizes = (4, 2, 8, 8, None) if args.smoke else (256, 8, 512, 256, 32)
+    sizes = (4, 2, 8, None) if args.smoke else (256, 8, 512, 32)
     for name, value in zip(
-        ("prompts", "group", "new_tokens", "max_batch_size", "embedded_prompts"), sizes, strict=True
+        ("prompts", "group", "new_tokens", "embedded_prompts"), sizes, strict=True
     ):
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if args.max_batch_size != "auto":
+        if not args.max_batch_size.isdigit() or int(args.max_batch_size) < 1:
+            parser.error(f"--max-batch-size {args.max_batch_size!r}: a positive integer or auto")
+        args.max_batch_size = int(args.max_batch_size)
     if args.reps is None:
         args.reps = 3 if args.smoke else 1
     if args.smoke:
@@ -112,9 +121,22 @@ def _prompts(n: int, lo: int, hi: int, vocab: int) -> list[list[int]]:
     return [torch.randint(3, vocab, (int(k),), generator=gen).tolist() for k in lengths]
 
 
-def _timed(engine: Any, prompts: list[list[int]], group: int, params: list[Any], reps: int) -> Any:
-    """Warm up, then ``reps`` timed calls; the median wall time counts."""
-    engine.generate(prompts[:2], 1, [replace(p, max_new_tokens=4) for p in params[:2]])
+def _timed(
+    engine: Any,
+    prompts: list[list[int]],
+    group: int,
+    params: list[Any],
+    reps: int,
+    full_warmup: bool = False,
+) -> Any:
+    """Warm up, then ``reps`` timed calls; the median wall time counts. ``full_warmup``: the
+    warm-up is the timed job itself (the megatron engine allocates its KV cache and, on a GPU,
+    captures its decode steps in the first call of a shape, as an RL loop's first step does),
+    else a 2-prompt call of 4 tokens."""
+    if full_warmup:
+        engine.generate(prompts, group, params)
+    else:
+        engine.generate(prompts[:2], 1, [replace(p, max_new_tokens=4) for p in params[:2]])
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -191,6 +213,10 @@ def main() -> None:
     }
     outs = {}
     arms = args.arms.split(",")
+    auto = args.max_batch_size == "auto"
+
+    def rows(k: int) -> int:  # the embedded and vLLM arms' chunk: all rows with auto
+        return k * args.group if auto else args.max_batch_size
 
     def save(complete: bool) -> None:  # after each arm: a run stopped later keeps it
         if args.out:
@@ -202,15 +228,14 @@ def main() -> None:
             [model],
             vocab_size=model_cfg.vocab_size,
             max_model_len=max_len,
-            max_batch_size=args.max_batch_size,
+            max_batch_size=None if auto else args.max_batch_size,
         )
-        engine = MegatronEngine(
-            decoder, MegatronEngineConfig(eos_token_ids=(), release_cache_after_generate=False)
-        )
+        engine = MegatronEngine(decoder, MegatronEngineConfig(eos_token_ids=()))
         outs["megatron"], result["megatron"] = _timed(
-            engine, prompts, args.group, params, args.reps
+            engine, prompts, args.group, params, args.reps, full_warmup=True
         )
         result["megatron"]["kv_cache_gib"] = decoder.kv_cache_bytes() / 2**30
+        result["megatron"]["cuda_graphs_captured"] = decoder.graphs.captures
         engine.close()
         save(False)
     if "embedded" in arms:
@@ -220,7 +245,7 @@ def main() -> None:
             hf,
             EmbeddedEngineConfig(
                 max_model_len=max_len,
-                max_batch_size=args.max_batch_size,
+                max_batch_size=rows(args.embedded_prompts or len(prompts)),
                 eos_token_ids=(),
                 device=f"cuda:{torch.cuda.current_device()}" if on_gpu else "cpu",
                 dtype=model_cfg.params_dtype,
@@ -235,7 +260,7 @@ def main() -> None:
         emb.close()
         save(False)
     if "vllm" in arms:
-        vllm_engine = _vllm_engine(model_cfg, max_len, args.max_batch_size)
+        vllm_engine = _vllm_engine(model_cfg, max_len, rows(len(prompts)))
         vllm_engine.update_weights(policy_hf_weights([model], model_cfg))
         outs["vllm"], result["vllm"] = _timed(vllm_engine, prompts, args.group, params, args.reps)
         vllm_engine.close()

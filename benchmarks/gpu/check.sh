@@ -38,8 +38,8 @@ STEPS=(install environment stats_op kernel_tests trainer_tests rl_step train_thr
 # Seconds per step on one H200, 1.4-2x the predicted durations (docs/gpu.md says how
 # they were predicted); the sum, 540 s, plus 60 s is the time limit for the whole command.
 # On the CPU (--cpu) the limits only catch hangs: 10x (a loaded 2-core machine is slow).
-declare -A LIMIT=([install]=15 [environment]=30 [stats_op]=80 [kernel_tests]=110
-  [trainer_tests]=150 [rl_step]=50 [train_throughput]=60 [rollout_engines]=45)
+declare -A LIMIT=([install]=15 [environment]=30 [stats_op]=70 [kernel_tests]=95
+  [trainer_tests]=150 [rl_step]=75 [train_throughput]=60 [rollout_engines]=45)
 
 usage() {
   sed -n '3,14p' "$0" >&2
@@ -149,12 +149,15 @@ step_trainer_tests() {
 }
 
 step_rl_step() {
-  # 2 RL steps through the trainer; on the CPU the tiny model, saving a checkpoint too (on the
-  # GPU the trainer tests save and resume)
+  # 2 RL steps through the trainer, generating with the megatron engine (256-token responses
+  # on the GPU: the generation share of a realistic step); on the CPU the tiny model, saving
+  # a checkpoint too (on the GPU the trainer tests save and resume)
   if [ "$MODE" = gpu ]; then
-    "$PYTHON" benchmarks/gpu/rl_step.py --preset 1b --steps 2 --out "$OUT/rl_step"
+    "$PYTHON" benchmarks/gpu/rl_step.py --preset 1b --engine megatron --max-new-tokens 256 \
+      --steps 2 --out "$OUT/rl_step"
   else
-    "$PYTHON" benchmarks/gpu/rl_step.py --preset tiny --steps 2 --checkpoint --out "$OUT/rl_step"
+    "$PYTHON" benchmarks/gpu/rl_step.py --preset tiny --engine megatron --steps 2 --checkpoint \
+      --out "$OUT/rl_step"
   fi
 }
 
@@ -171,11 +174,11 @@ step_train_throughput() {
 
 step_rollout_engines() {
   # the megatron rollout engine vs the embedded one, side by side in one process on the same
-  # prompts: ~1.2B bf16, 64 prompts x G 8 x 256 new tokens, one chunk of 512 rows each (the
-  # benchmark's defaults, 256 prompts and 512 new tokens, take minutes)
+  # prompts: ~1.2B bf16, 64 prompts x G 8 x 256 new tokens, all 512 rows in one batch each
+  # (the benchmark's defaults, 256 prompts and 512 new tokens, take minutes)
   if [ "$MODE" = gpu ]; then
-    "$PYTHON" benchmarks/rollout_engines.py --gpu-1b --prompts 64 --max-batch-size 512 \
-      --new-tokens 256 --out "$OUT/rollout_engines.json"
+    "$PYTHON" benchmarks/rollout_engines.py --gpu-1b --prompts 64 --new-tokens 256 \
+      --out "$OUT/rollout_engines.json"
   else
     "$PYTHON" benchmarks/rollout_engines.py --smoke --out "$OUT/rollout_engines.json"
   fi

@@ -13,9 +13,16 @@ engine share the GPU). Presets:
   2 mini-batches, micro-batch 8: the model the first GPU run used.
 * ``tiny``: the CI's tiny model (seconds on a CPU: what ``check.sh --cpu`` runs).
 
+``--engine megatron`` generates with the trainer's own model (``rollout.engine=megatron``)
+and ``--max-new-tokens N`` sets the response budget (the device check: 256, realistic lengths
+where generation dominates a step); every row also reports ``generation_share``, the rollout
+phase's share of the step.
+
 Run::
 
     python benchmarks/gpu/rl_step.py --preset 1b --out OUT_DIR      # OUT_DIR/rl_step.{json,md}
+    python benchmarks/gpu/rl_step.py --preset 1b --engine megatron --max-new-tokens 256 \
+        --out OUT_DIR                                                # the device check's run
 
 ``--checkpoint`` also saves the trainer's checkpoint after the last step (``save_s``; the
 device check's CPU rehearsal does, so that a module the save path needs, psutil, cannot be
@@ -68,7 +75,9 @@ COMMON = [
 PHASES = ("time_rollout", "time_reward", "time_old_logprob", "time_train", "time_sync")
 
 
-def run(preset: str, steps: int, out: Path, checkpoint: bool = False) -> dict:
+def run(
+    preset: str, steps: int, out: Path, checkpoint: bool = False, extra: list[str] | None = None
+) -> dict:
     """Build the trainer, run ``steps`` RL steps, return the report.
 
     ``out/rl_step.json`` is rewritten (atomically) after the set-up and after every step with
@@ -79,7 +88,7 @@ def run(preset: str, steps: int, out: Path, checkpoint: bool = False) -> dict:
     from reco_megatron.trainer.loop import Trainer
     from reco_megatron.utils.jsonfile import write_json
 
-    overrides = [*PRESETS[preset], *COMMON, f"trainer.output_dir={out / 'run'}"]
+    overrides = [*PRESETS[preset], *COMMON, *(extra or []), f"trainer.output_dir={out / 'run'}"]
     overrides.append(f"trainer.max_steps={steps}")
     cfg = load_config(TrainConfig, "examples/tiny_cpu.yaml", overrides)
     start = time.perf_counter()
@@ -88,6 +97,8 @@ def run(preset: str, steps: int, out: Path, checkpoint: bool = False) -> dict:
     cuda = device.type == "cuda"
     report = {
         "preset": preset,
+        "engine": cfg.rollout.engine,
+        "max_new_tokens": cfg.rollout.max_new_tokens,
         "device": torch.cuda.get_device_name(device) if cuda else "cpu",
         "torch": torch.__version__,
         "parameters": sum(
@@ -108,12 +119,10 @@ def run(preset: str, steps: int, out: Path, checkpoint: bool = False) -> dict:
             if cuda:
                 torch.cuda.synchronize(device)
             row["time_step"] = time.perf_counter() - t0
-            report["rows"].append(
-                {
-                    k: row[k]
-                    for k in (*PHASES, "time_step", "response_len_mean", "logprob_mismatch", "loss")
-                }
-            )
+            kept = (*PHASES, "time_step", "response_len_mean", "logprob_mismatch", "loss")
+            kept_row = {k: row[k] for k in kept}
+            kept_row["generation_share"] = row["time_rollout"] / row["time_step"]
+            report["rows"].append(kept_row)
             if cuda:
                 report["peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
                 report["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
@@ -132,6 +141,7 @@ def run(preset: str, steps: int, out: Path, checkpoint: bool = False) -> dict:
         peak_allocated_gib=report.get("peak_allocated_gib"),
         peak_reserved_gib=report.get("peak_reserved_gib"),
         logprob_mismatch=last["logprob_mismatch"],
+        generation_share=last["generation_share"],
         loss=last["loss"],
         complete=True,
     )
@@ -142,7 +152,8 @@ def run(preset: str, steps: int, out: Path, checkpoint: bool = False) -> dict:
 def markdown(r: dict) -> str:
     """One table row per phase of the last step, and the memory line."""
     lines = [
-        f"RL step, preset `{r['preset']}` on {r['device']} (torch {r['torch']}): "
+        f"RL step, preset `{r['preset']}`, rollout engine `{r['engine']}`, on {r['device']} "
+        f"(torch {r['torch']}): "
         f"{r['parameters'] / 1e9:.2f}B parameters ({r['params_dtype']}), "
         f"{r['responses_per_step']} responses of {r['response_len_mean']:.1f} tokens on "
         f"average, step {r['steps']} of {r['steps']} (the first is a warm-up)",
@@ -151,11 +162,12 @@ def markdown(r: dict) -> str:
         "|---|---|",
     ]
     lines += [f"| {k.removeprefix('time_')} | {v:.3f} |" for k, v in r["last_step"].items()]
+    lines.append(f"\nGeneration: {100 * r['generation_share']:.0f} % of the step.")
     if r["peak_allocated_gib"] is not None:
         lines.append(
             f"\nPeak GPU memory: {r['peak_allocated_gib']:.1f} GiB allocated, "
             f"{r['peak_reserved_gib']:.1f} GiB reserved. logprob_mismatch "
-            f"{r['logprob_mismatch']:.4f}."
+            f"{r['logprob_mismatch']:.2e}."
         )
     return "\n".join(lines) + "\n"
 
@@ -168,9 +180,14 @@ def main() -> None:
     parser.add_argument(
         "--checkpoint", action="store_true", help="save a checkpoint after the last step, timed"
     )
+    parser.add_argument("--engine", choices=("embedded", "vllm", "megatron"), default=None)
+    parser.add_argument("--max-new-tokens", type=int, default=None)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    report = run(args.preset, args.steps, args.out, args.checkpoint)
+    extra = [] if args.engine is None else [f"rollout.engine={args.engine}"]
+    if args.max_new_tokens is not None:
+        extra.append(f"rollout.max_new_tokens={args.max_new_tokens}")
+    report = run(args.preset, args.steps, args.out, args.checkpoint, extra)
     (args.out / "rl_step.md").write_text(markdown(report))
     print(markdown(report))
 

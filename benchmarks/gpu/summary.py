@@ -151,7 +151,8 @@ def rl_step(report: dict) -> list[str]:
     rows = report["rows"]
     lines = _partial(report, f"the {len(rows)} of {report['steps']} steps")
     lines.append(
-        f"Preset `{report['preset']}` on {report['device']} (torch {report['torch']}): "
+        f"Preset `{report['preset']}`, rollout engine `{report.get('engine', 'embedded')}`, "
+        f"on {report['device']} (torch {report['torch']}): "
         f"{report['parameters'] / 1e9:.2f}B parameters ({report['params_dtype']}), "
         f"{report['responses_per_step']} responses per step; set-up {report['setup_s']:.1f} s. "
         "Step 1 is the warm-up."
@@ -168,9 +169,11 @@ def rl_step(report: dict) -> list[str]:
                 f"| {k.removeprefix('time_')} | " + " | ".join(f"{r[k]:.3f}" for r in rows) + " |"
             )
         last = rows[-1]
+        share = last.get("generation_share")
         lines.append(
             f"\nResponses {last['response_len_mean']:.1f} tokens on average, logprob_mismatch "
-            f"{last['logprob_mismatch']:.4f}."
+            f"{last['logprob_mismatch']:.2e}"
+            + ("." if share is None else f"; generation {100 * share:.0f} % of the last step.")
         )
     if report.get("save_s") is not None:
         lines.append(f"Checkpoint saved after the last step in {report['save_s']:.1f} s.")
@@ -221,9 +224,9 @@ def rollout_engines(report: dict) -> list[str]:
     lines.append(
         f"{report['device']}, {report['params_b']:.2f}B parameters ({report['dtype']}), "
         f"{report['prompts']} prompts x G {report['group']} x {report['new_tokens']} new tokens, "
-        f"chunks of {report['max_batch_size']} rows, median of {report['reps']}."
+        f"rows per forward: {report['max_batch_size']}, median of {report['reps']}."
     )
-    arms = [a for a in ("megatron", "embedded") if a in report]
+    arms = [a for a in ("megatron", "embedded", "vllm") if a in report]
     if arms:
         lines += ["", "| engine | tokens | wall s | tokens/s | peak GiB |", "|---|---|---|---|---|"]
         for a in arms:
@@ -232,6 +235,12 @@ def rollout_engines(report: dict) -> list[str]:
                 f"| {a} | {r['tokens']} | {r['wall_s']:.2f} | {r['tokens_per_s']:.0f} | "
                 f"{r['peak_gib']:.2f} |"
             )
+    mega = report.get("megatron", {})
+    if "kv_cache_gib" in mega:
+        lines.append(
+            f"\nmegatron: KV cache {mega['kv_cache_gib']:.2f} GiB, "
+            f"{mega.get('cuda_graphs_captured', 0)} decode steps captured as CUDA graphs."
+        )
     if "speedup_megatron_over_embedded" in report:
         lines.append(
             f"\nmegatron / embedded tokens/s: {report['speedup_megatron_over_embedded']:.2f}; "

@@ -9,7 +9,7 @@ setting and chunked by rows, sampling by inverse CDF with the log-prob of the te
 untruncated distribution (:func:`sample_next`). So for the same model, prompts and seeds this
 engine draws the same uniforms, applies the same truncation and reports the same convention as
 :class:`reco_megatron.rollout.embedded.EmbeddedEngine`; only the forward differs (megatron's
-kernels, right padding with true positions, see ``docs/rollout.md``).
+modules around its own attention and KV cache, see ``docs/rollout.md``).
 
 Weights: the decoder reads the trainer's live parameters, so there is nothing to load.
 :meth:`MegatronEngine.update_weights` takes an *empty* stream (what
@@ -59,7 +59,10 @@ class ModelDecoder(Protocol):
 
     vocab_size: int
     max_model_len: int
-    max_batch_size: int
+
+    def max_rows(self, length: int) -> int:
+        """Rows one :meth:`decode` call may take when its rows need ``length`` positions."""
+        ...
 
     def decode(
         self,
@@ -67,8 +70,10 @@ class ModelDecoder(Protocol):
         noise: torch.Tensor,
         stop_ids: Sequence[int],
         sample: SampleFn,
+        sample_key: object = None,
     ) -> Sequence[DecodedRow]:
-        """Rows ``[b]`` decoded with ``noise [b, max_new_tokens]`` and ``sample``."""
+        """Rows ``[b]`` decoded with ``noise [b, max_new_tokens]`` and ``sample``
+        (``sample_key``: a hashable naming ``sample``'s settings)."""
         ...
 
     def free_cache(self) -> None:
@@ -87,10 +92,12 @@ class MegatronEngineConfig:
     eos_token_ids: tuple[int, ...] = ()
     """Token ids that end every response (on top of ``SamplingParams.stop_token_ids``)."""
 
-    release_cache_after_generate: bool = True
-    """Free the KV cache when :meth:`MegatronEngine.generate` returns, so the trainer's update
-    gets the memory back without a :meth:`~MegatronEngine.sleep` call (re-allocating it costs
-    one allocation per layer per call); ``False`` keeps it for back-to-back calls."""
+    release_cache_after_generate: bool = False
+    """Free the KV cache (and on a GPU the captured decode steps) when
+    :meth:`MegatronEngine.generate` returns and at :meth:`~MegatronEngine.sleep`, so the
+    trainer's update gets the memory back (the next call allocates and captures again).
+    ``False`` (the default) keeps them through ``generate`` and ``sleep`` (which then only
+    refuses generation until ``wake``); :meth:`~MegatronEngine.close` always frees them."""
 
     def __post_init__(self) -> None:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
@@ -135,8 +142,8 @@ class MegatronEngine(SeededCalls, RolloutEngine):
     def _load_weights(self, stream: Iterator[tuple[str, torch.Tensor]]) -> None:
         """Accept only the empty stream: the weights are the trainer's own, always current.
 
-        Nothing is cached across calls (the KV cache is rebuilt for every chunk), so the sync
-        is a no-op; a non-empty stream raises instead of overwriting the policy.
+        The KV cache kept between calls holds finished calls' keys only (every call writes its
+        own), so the sync is a no-op; a non-empty stream raises instead of overwriting the policy.
         """
         self._check_open()
         names = [name for name, _ in stream]
@@ -153,8 +160,9 @@ class MegatronEngine(SeededCalls, RolloutEngine):
     ) -> list[list[Completion]]:
         """``n`` completions per prompt; ``result[i][j]`` is sample ``j`` of prompt ``i``.
 
-        Same grouping, noise and sampling as the embedded engine (module docstring); chunks
-        hold at most ``decoder.max_batch_size`` rows, sorted by prompt length.
+        Same grouping, noise and sampling as the embedded engine (module docstring); a call
+        holds at most ``decoder.max_rows(...)`` rows (all of a setting's rows by default),
+        sorted by prompt length.
         """
         self._check_open()
         params = self._admit(prompt_token_ids, n, sampling)
@@ -162,29 +170,32 @@ class MegatronEngine(SeededCalls, RolloutEngine):
         self._calls += 1
         start = time.perf_counter()
         out: list[list[Completion | None]] = [[None] * n for _ in prompt_token_ids]
-        size = self.decoder.max_batch_size
         calls = []
         for setting, members in group_by_setting(params).items():
             stop_ids = sorted(set(self.config.eos_token_ids) | set(setting.stop_token_ids))
-            # Rows of similar prompt length share a chunk: the decoder feeds the longer prompts
-            # of a chunk one token per step, so mixed lengths cost steps (never results: a
-            # row's noise and tokens do not depend on its chunk).
+            # Rows of similar prompt length share a call when they do not all fit in one
+            # (less padding in the prefill; never other results: a row's noise and tokens do
+            # not depend on its call).
             rows = sorted(
                 ((i, j) for i in members for j in range(n)),
                 key=lambda row: len(prompt_token_ids[row[0]]),
             )
+            longest = max(len(prompt_token_ids[i]) for i in members)
+            size = self.decoder.max_rows(longest + setting.max_new_tokens)
             sample = partial(sample_next, sampling=setting)
-            calls += [(rows[lo : lo + size], stop_ids, sample) for lo in range(0, len(rows), size)]
+            for lo in range(0, len(rows), size):
+                calls.append((rows[lo : lo + size], stop_ids, sample, setting))
         # Expert-parallel decoders run their MoE layers together: every rank makes as many
         # decode calls as the busiest (the others idle); other decoders have no such method.
         lockstep = getattr(self.decoder, "lockstep_calls", None)
         idle = (lockstep(len(calls)) if lockstep is not None else len(calls)) - len(calls)
-        for chunk, stop_ids, sample in calls:
+        for chunk, stop_ids, sample, setting in calls:
             decoded = self.decoder.decode(
                 [prompt_token_ids[i] for i, _ in chunk],
                 torch.stack([noise[i][j] for i, j in chunk]),
                 stop_ids,
                 sample,
+                sample_key=setting,
             )
             for (i, j), row in zip(chunk, decoded, strict=True):
                 out[i][j] = Completion(
@@ -197,8 +208,7 @@ class MegatronEngine(SeededCalls, RolloutEngine):
                 )
         for _ in range(idle):
             self.decoder.decode_idle()
-        if self.config.release_cache_after_generate:
-            self._release_memory()
+        self._release_memory()
         logger.debug(
             "megatron generate: %d prompts x %d in %.2fs",
             len(out),
@@ -208,9 +218,11 @@ class MegatronEngine(SeededCalls, RolloutEngine):
         return [[c for c in group if c is not None] for group in out]
 
     def _release_memory(self) -> None:
-        """Free the KV cache (the weights are the trainer's and stay where they are)."""
+        """Free the KV cache unless it is kept (``release_cache_after_generate=False``); the
+        weights are the trainer's and stay where they are."""
         self._check_open()
-        self.decoder.free_cache()
+        if self.config.release_cache_after_generate:
+            self.decoder.free_cache()
 
     def _restore_memory(self, tag: str) -> None:
         """Nothing to do now: megatron allocates the KV cache lazily in the next forward."""

@@ -190,7 +190,7 @@ class TrainConfig:
         if p.context_parallel_size > 1:
             raise ValueError(
                 "rollout.engine=megatron does not decode with context_parallel_size="
-                f"{p.context_parallel_size} (megatron-core's static inference path splits no "
+                f"{p.context_parallel_size} (its decoder splits no "
                 "sequence over context-parallel ranks): set it to 1 or use rollout.engine=vllm"
             )
         mp = p.tensor_model_parallel_size * p.pipeline_model_parallel_size

@@ -40,10 +40,20 @@ class RolloutConfig:
     """Longest prompt in tokens (rows above it are an error or a counted skip)."""
     gpu_memory_utilization: float = 0.5
     """vLLM only: fraction of GPU memory for weights + KV cache when colocated."""
-    max_batch_size: int = 64
-    """Embedded and megatron engines: rows (prompt copies) per forward. Bounds memory (the
-    megatron engine's KV cache holds this many rows of ``max_prompt_len + max_new_tokens``);
-    never changes the samples."""
+    max_batch_size: int | Literal["auto"] = "auto"
+    """Embedded and megatron engines: rows (prompt copies) per forward; never changes the
+    samples. ``auto``: the megatron engine decodes all rows of a step in one batch, as many as
+    its KV cache may hold (``kv_cache_gib``; finished rows leave the batch as it goes), the
+    embedded engine 64."""
+    kv_cache_gib: float | None = None
+    """Megatron engine: the most memory its KV cache may take per rank (GiB), which bounds
+    ``max_batch_size: auto``. None: half the device memory free at the first generation on
+    a GPU, 4 GiB on the CPU."""
+    keep_kv_cache: bool = True
+    """Megatron engine: keep the KV cache (and on a GPU the captured decode steps) from one
+    step's generation to the next, through the update. ``false`` frees it when generation
+    returns, so the update gets that memory back (and the next generation allocates and
+    captures again): set it when the update runs out of memory next to the cache."""
 
     placement: Placement = "colocated"
     """``colocated``: every step generates on the trainer's ranks, then trains (one after the
@@ -87,11 +97,20 @@ class RolloutConfig:
             "prompts_per_step",
             "max_new_tokens",
             "max_prompt_len",
-            "max_batch_size",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"rollout.{name} must be a positive integer, got {value!r}")
+        size = self.max_batch_size
+        if size != "auto" and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ValueError(
+                f"rollout.max_batch_size must be a positive integer or 'auto', got {size!r}"
+            )
+        gib = self.kv_cache_gib
+        if gib is not None and (
+            isinstance(gib, bool) or not isinstance(gib, (int, float)) or gib <= 0
+        ):
+            raise ValueError(f"rollout.kv_cache_gib must be > 0 GiB or null, got {gib!r}")
         if self.group_size < 2:
             raise ValueError(
                 f"group_size must be >= 2, got {self.group_size}: group advantages "

@@ -1,10 +1,10 @@
 """``rollout.engine: megatron`` on CUDA: the tiny run trains 2 steps with the megatron engine
-decoding on the trainer's own chunks (the Transformer Engine spec where it imports: its causal
-prefill and megatron's ``no_mask`` decode attention, the path the CPU tests cannot reach), and
-the engine's log-probs match the trainer's old-policy pass.
+decoding on the trainer's own chunks (the Transformer Engine spec where it imports, captured
+CUDA-graph decode steps: the paths the CPU tests cannot reach), and the engine's log-probs
+match the trainer's old-policy pass.
 
 Tolerance 1e-3 on ``logprob_mismatch`` (stated, not yet observed on a GPU): fp32 model, but the
-KV-cached step and the full-sequence forward run different attention kernels, and fp32 GEMMs
+decoder's attention and the trainer's full-sequence forward run different kernels, and fp32 GEMMs
 may use TF32 inside Transformer Engine (~1e-4 relative); on the CPU the same run gives ~2.5e-7
 (``tests/trainer/test_megatron_rollout.py``). A generation from stale or wrong weights gives
 mismatches of order 0.1-1.

@@ -147,10 +147,14 @@ def state_body(rank: int, world: int) -> Any:
 
     engine = build_engine(micro_batch_size=2)
     s = SamplingParams(max_new_tokens=5)
-    released = rollout_engine(engine, max_batch_size=8)  # the trainer's setting
+    released = rollout_engine(engine, max_batch_size=8)  # rollout.keep_kv_cache=false
     released.generate(PROMPTS, 2, s)
     out: dict[str, Any] = {"kv_released": released.decoder.kv_cache_bytes()}
-    eng = rollout_engine(engine, max_batch_size=8, seed=3, release=False)
+    released.sleep()
+    released.wake()
+    released.generate(PROMPTS, 2, s)
+    out["released_regenerates"] = released.decoder.kv_cache_bytes() == 0
+    eng = rollout_engine(engine, max_batch_size=8, seed=3, release=False)  # the default
     out["kv_before"] = eng.decoder.kv_cache_bytes()
     eng.generate(PROMPTS, 2, s)
     out["kv_after_generate"] = eng.decoder.kv_cache_bytes()

@@ -45,6 +45,9 @@ def _build_gpu_path_body(rank, world_size, params_dtype):
     # The CPU backend answers megatron's torch.cuda.current_device() with the CPU, so the GPU
     # path's config (use_cpu_initialization=False) builds here as it would on CUDA.
     gpt = build_model(model_cfg, config, pre_process=True, post_process=True, on_gpu=True)
+    from reco_megatron.megatron.device import compute_device
+
+    devices = {str(t.device) for t in [*gpt.parameters(), *gpt.buffers()]}
     tokens = torch.randint(0, model_cfg.vocab_size, (2, 8))
     positions = torch.arange(8).expand(2, 8)
     with warnings.catch_warnings(record=True) as caught:
@@ -63,6 +66,8 @@ def _build_gpu_path_body(rank, world_size, params_dtype):
         "shape": tuple(logits.shape),
         "logits_finite": bool(torch.isfinite(logits.float()).all()),
         "param_dtypes": sorted({str(p.dtype) for p in gpt.parameters()}),
+        "devices": devices,
+        "compute_device": str(compute_device()),
         "warnings": [str(w.message) for w in caught],
     }
 
@@ -72,6 +77,8 @@ def test_gpu_path_without_transformer_engine_builds() -> None:
     got = run_distributed(_build_gpu_path_body, 1, args=("float32",), timeout=120)[0]
     assert not any(got["fusions"].values()), got["fusions"]
     assert got["shape"][:2] == (2, 8) and got["logits_finite"]
+    # on_gpu=True hands back a model wholly on the compute device (the CPU here)
+    assert got["devices"] == {got["compute_device"]}, got["devices"]
 
 
 def test_bf16_local_spec_norms_in_params_dtype_without_warning() -> None:

@@ -1,83 +1,63 @@
 """Decoding on the trainer's own megatron-core model chunks (the ``megatron`` rollout engine).
 
-:class:`MegatronDecoder` runs an autoregressive loop on the ``GPTModel`` chunk the trainer
-trains, at the trainer's TP/PP layout, with megatron-core's static KV cache
-(``megatron.core.inference.contexts.StaticInferenceContext``): the model's own inference path
-(``GPTModel.forward(..., inference_context=ctx)``: the cache append, the RoPE slicing and the
-``no_mask`` decode attention are megatron's code). No weight conversion, no second copy of the
-model: generation reads the live parameters, so a "weight sync" is only a cache reset.
+:class:`MegatronDecoder` decodes like an inference engine on the ``GPTModel`` chunk the
+trainer trains, at the trainer's TP/PP/EP layout, without a weight copy: it owns attention
+and the KV cache (:mod:`.attention`: keys rotated once when written, grouped queries without
+K/V copies) and calls the live modules for everything else (:mod:`.stage`).
 
-Why our loop and not megatron's ``TextGenerationController`` (which we ran on CPU, see
-``docs/rollout.md``): the controller draws every token of a batch from one ``torch.Generator``
-seeded once per controller, takes one ``SamplingParams`` and one termination id for the whole
-batch, and reports ``log_softmax(logits)`` before temperature; our protocol needs one random
-stream per prompt, per-prompt settings, several stop ids, and log-probs of the
-temperature-scaled distribution. The decoder therefore leaves sampling to a callback (the
-rollout layer's :func:`reco_megatron.rollout.sampling.sample_next`, handed in by the adapter;
-this module never imports the rollout layer) and only does what needs megatron.
+A call (:meth:`MegatronDecoder.decode`):
 
-Batching follows megatron's static engine: prompts are *right*-padded, the prefill runs up to
-the shortest prompt of the chunk, and every later step feeds one position per row -- a row whose
-prompt is longer feeds its next prompt token (and ignores the sample) until its prompt is
-consumed. Every row therefore attends to exactly its own tokens at their true positions, with
-only megatron's causal mask (no padding mask, which the Transformer Engine kernels would not
-take from us), and a row's ``t``-th response token always uses uniform ``noise[row, t]``.
+* **prefill**: every prompt in one forward (right padding, per-row positions), logits of each
+  row's last prompt position only, the first response token sampled;
+* **decode steps**: one position per row; the sampling (the rollout layer's noise-table
+  sampler, handed in as ``sample``), the stop checks and the bookkeeping stay on the device
+  (:func:`.state.advance`); the host reads the state every ``sync_every`` steps, stops when
+  every row is done and moves the live rows into a smaller batch (:func:`.state.bucket`);
+* on a CUDA device each batch size's step is captured as a CUDA graph after a warm-up and
+  replayed (:mod:`.graphs`); the CPU runs the same code eagerly.
 
-Pipeline parallelism: each stage receives the previous stage's hidden states ``[s, b, h]``
-(point-to-point over the pipeline group), the last stage samples, and the sampled tokens and
-log-probs are broadcast to every stage so all ranks of the replica hold the same completions.
-Tensor-parallel ranks run the same rows; logits are gathered over TP
-(``runtime_gather_output=True``), so every TP rank samples the same tokens from the same noise.
+Row ``r``'s ``t``-th response token uses ``noise[r, t]`` in any batch (as the embedded engine).
+Pipeline parallelism: each stage receives the previous stage's hidden states, the last stage
+samples and broadcasts tokens and log-probs over the pipeline group, so every stage keeps the
+same state. Tensor-parallel ranks run the same rows and sample the same tokens from logits
+gathered over TP. Sequence parallelism is switched off while decoding
+(:func:`.sequence_parallel.sequence_parallel_off`: one position per row cannot be split).
 
-Sequence parallelism: a decode step feeds one position per row, which cannot be split over the
-TP group, and megatron-core's inference path runs dense layers without it (its own controller
-switches it off for MoE models the same way, ``set_model_to_sequence_parallel``). The decoder
-therefore switches it off for the duration of :meth:`MegatronDecoder.decode`
-(:func:`~reco_megatron.megatron.decoding.sequence_parallel.sequence_parallel_off`: the config
-flag and the modules' copies of it, restored after) and runs the plain tensor-parallel forward,
-which computes the same function of the same weights; the training passes keep sequence
-parallelism.
-
-Mixture-of-experts models: with ``routing`` (the trainer's
-:class:`~reco_megatron.megatron.model.routing.MoERouting`) the decoder records which experts every
-fed position was routed to in every layer and returns them per row (``Decoded.routed_experts``,
-``[positions, layers, top-k]``, ``-1`` where a position was never fed: the last sampled token)
-for routing replay; pipeline stages exchange their layers' records at the end. With expert
-parallelism the ranks of an EP group exchange tokens inside every MoE layer, so they must run
-the same number of forwards although they decode different prompts: each step they agree
-(one all-reduce over the EP group) whether anyone still decodes, and a rank that has finished
-joins with a one-token forward without the KV cache until all have (:meth:`decode_idle` does
-the same for a whole call a rank has no rows for).
+Mixture-of-experts: with ``routing`` the decoder records the experts of every fed position
+(``Decoded.routed_experts``, ``[positions, layers, top-k]``, ``-1`` where never fed) for
+routing replay. With expert parallelism the ranks of an EP group exchange tokens inside every
+MoE layer, so they run the same number of forwards: at every host read they agree (one
+all-reduce) whether anyone still decodes, and a rank without live rows joins with one-token
+forwards without the cache (:meth:`decode_idle` does the same for a whole call). Expert
+parallel and PP steps, and steps that record routing, stay eager (no CUDA graph).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from reco_megatron.megatron.decoding.graphs import StepGraphs
+from reco_megatron.megatron.decoding.groups import StageGroups
 from reco_megatron.megatron.decoding.sequence_parallel import sequence_parallel_off
-from reco_megatron.utils.logging import get_logger
-
-logger = get_logger(__name__)
+from reco_megatron.megatron.decoding.stage import StageForward
+from reco_megatron.megatron.decoding.state import (
+    CallState,
+    Decoded,
+    Slots,
+    advance,
+    bucket,
+    prompt_batch,
+    window_for,
+)
 
 SampleFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-"""``sample(logits [b, V] fp32, uniforms [b] fp64) -> (tokens [b] long, logprobs [b] fp32)``."""
-
-
-@dataclass(frozen=True)
-class Decoded:
-    """One row's result: response tokens, their log-probs, whether a stop id ended it, and
-    (MoE models, when recording) the experts of every position, ``[prompt + response, layers,
-    top-k]`` int16 with ``-1`` where unknown."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    stopped: bool
-    routed_experts: torch.Tensor | None = None
+"""``sample(logits [b, V] fp32, uniforms [b] fp64) -> (tokens [b] long, logprobs [b] fp32)``,
+tensor code only (it runs inside a captured step)."""
 
 
 class MegatronDecoder:
@@ -87,12 +67,15 @@ class MegatronDecoder:
         chunks: the trainer's model chunks of this stage (``ReCoEngine.unwrapped()``); exactly
             one (the interleaved/virtual pipeline is not supported for decoding).
         vocab_size: the true vocabulary (logits beyond it are Megatron's padding, dropped).
-        max_model_len: longest ``prompt + response``; sizes the KV cache.
-        max_batch_size: rows per forward; sizes the KV cache.
-        pad_id: token fed by rows that already finished (never read: it follows the stop).
-        routing: the policy's :class:`~reco_megatron.megatron.model.routing.MoERouting` (MoE
-            models); with ``record_routing`` the decoder returns the routed experts.
-        record_routing: record each position's experts (routing replay).
+        max_model_len: longest ``prompt + response``.
+        max_batch_size: rows per call; None (``auto``): as many as fit in
+            ``kv_cache_bytes``.
+        kv_cache_bytes: the most the KV cache may take on this rank (None: half the free
+            device memory at the first call on CUDA, 4 GiB on the CPU).
+        pad_id: token fed in padded prompt positions (never read).
+        routing / record_routing: the policy's MoE routing; record each position's experts.
+        sync_every: decode steps between two host reads of the state.
+        cuda_graphs: capture the decode step on CUDA (dense models, PP 1, no recording).
     """
 
     def __init__(
@@ -101,10 +84,13 @@ class MegatronDecoder:
         *,
         vocab_size: int,
         max_model_len: int,
-        max_batch_size: int,
+        max_batch_size: int | None = None,
+        kv_cache_bytes: int | None = None,
         pad_id: int = 0,
         routing: Any = None,
         record_routing: bool = False,
+        sync_every: int = 8,
+        cuda_graphs: bool = True,
     ) -> None:
         from megatron.core import parallel_state as ps
 
@@ -114,126 +100,93 @@ class MegatronDecoder:
                 f"{len(chunks)} (virtual pipeline): set "
                 "parallel.virtual_pipeline_model_parallel_size=null or use rollout.engine=embedded"
             )
+        if max_batch_size is not None and max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1 or None (auto), got {max_batch_size}")
+        if sync_every < 1:
+            raise ValueError(f"sync_every must be >= 1, got {sync_every}")
+        if record_routing and routing is None:
+            raise ValueError("record_routing needs the model's routing (an MoE model)")
         self.model = chunks[0]
-        self.config = self.model.config
         self.vocab_size = int(vocab_size)
         self.max_model_len = int(max_model_len)
-        self.max_batch_size = int(max_batch_size)
+        self.max_batch_size = max_batch_size
         self.pad_id = int(pad_id)
+        self.sync_every = int(sync_every)
         self.pp_group = ps.get_pipeline_model_parallel_group()
         self.pp_size = ps.get_pipeline_model_parallel_world_size()
-        self.first_stage = ps.is_pipeline_first_stage(ignore_virtual=True)
-        self.last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
         ranks = dist.get_process_group_ranks(self.pp_group) if self.pp_size > 1 else [0]
         stage = ps.get_pipeline_model_parallel_rank()
-        self._prev_rank = ranks[stage - 1] if stage > 0 else None
-        self._next_rank = ranks[stage + 1] if stage + 1 < len(ranks) else None
-        self._last_rank = ranks[-1]
-        self.device = next(self.model.parameters()).device
-        self._context: Any = None
-        if record_routing and routing is None:
-            raise ValueError(
-                "record_routing needs the model's routing (a mixture-of-experts model)"
-            )
+        self.stage = StageForward(
+            self.model,
+            vocab_size=vocab_size,
+            max_model_len=max_model_len,
+            pp_group=self.pp_group,
+            prev_rank=ranks[stage - 1] if stage > 0 else None,
+            next_rank=ranks[stage + 1] if stage + 1 < len(ranks) else None,
+        )
+        self.device = self.stage.device
         self.routing = routing if record_routing else None
         ep = ps.get_expert_model_parallel_world_size() if routing is not None else 1
         self._ep_group = ps.get_expert_model_parallel_group() if ep > 1 else None
+        self.groups = StageGroups(
+            self.pp_group, self.pp_size, ranks[-1], self._ep_group, self.device
+        )
+        self._kv_limit = kv_cache_bytes
+        self._cache: Any = None
+        self._state: CallState | None = None
+        graphs = cuda_graphs and self.pp_size == 1 and self._ep_group is None
+        self.graphs = StepGraphs(graphs and self.routing is None, self.device)
 
     # ----------------------------------------------------------------- the KV cache
-    @property
-    def context(self) -> Any:
-        """The static inference context (built on first use; holds the KV cache)."""
-        if self._context is None:
-            from megatron.core.inference.contexts import StaticInferenceContext
-
-            self._context = StaticInferenceContext(self.max_batch_size, self.max_model_len)
-        return self._context
-
     def kv_cache_bytes(self) -> int:
         """Bytes held by the KV cache now (0 after :meth:`free_cache`)."""
-        if self._context is None:
-            return 0
-        total = 0
-        for pair in self._context.key_value_memory_dict.values():
-            total += sum(t.numel() * t.element_size() for t in pair)
-        return total
+        return 0 if self._cache is None else self._cache.nbytes()
 
     def free_cache(self) -> None:
-        """Drop the KV cache; the next forward re-allocates it (megatron allocates each layer's
-        ``[max_model_len, max_batch_size, kv_heads/TP, head_dim]`` keys and values lazily)."""
-        if self._context is not None:
-            self._context.key_value_memory_dict.clear()
-            self._context.reset()
+        """Drop the KV cache (and the captured steps that read it); the next call re-allocates."""
+        self._cache = None
+        self._state = None
+        self.graphs.reset()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    # ----------------------------------------------------------------- one forward
-    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
-        """Logits ``[b, V]`` (fp32, true vocabulary) of the last fed position on the last
-        stage, ``None`` elsewhere. ``tokens``/``positions``: ``[b, s]``."""
-        ctx = self.context
-        b, s = tokens.shape
-        recv = None
-        if not self.first_stage:
-            dtype = self.config.pipeline_dtype or self.config.params_dtype
-            recv = torch.empty(s, b, self.config.hidden_size, dtype=dtype, device=self.device)
-            dist.recv(recv, src=self._prev_rank, group=self.pp_group)
-        self.model.set_input_tensor(recv)
-        out = self.model(tokens, positions, None, inference_context=ctx, runtime_gather_output=True)
-        ctx.increment_sequence_len_offset(s)
-        if not self.last_stage:
-            dist.send(out.contiguous(), dst=self._next_rank, group=self.pp_group)
-            return None
-        return out[:, -1, : self.vocab_size].float()
+    def kv_limit(self) -> int:
+        """Bytes the KV cache may take on this rank (``kv_cache_bytes``, or the default)."""
+        if self._kv_limit is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                self._kv_limit = (free + self.kv_cache_bytes()) // 2
+            else:
+                self._kv_limit = 4 * 2**30
+        return self._kv_limit
 
-    def _share(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The last stage's sampled tokens and log-probs on every stage."""
-        if self.pp_size == 1:
-            return tokens, logprobs
-        box = torch.stack([tokens.double(), logprobs.double()]).to(self.device)
-        dist.broadcast(box, src=self._last_rank, group=self.pp_group)
-        return box[0].long(), box[1].float()
+    def max_rows(self, length: int) -> int:
+        """Rows one call may decode with ``length`` positions: ``max_batch_size``, or with
+        ``auto`` as many as fit in :meth:`kv_limit` (at least 1)."""
+        if self.max_batch_size is not None:
+            return self.max_batch_size
+        per_row = max(self.stage.bytes_per_row(window_for(length, self.max_model_len)), 1)
+        return max(1, self.kv_limit() // per_row)
 
-    def _idle_forward(self) -> None:
-        """A one-token forward without the KV cache: this rank's part of an MoE step of its
-        expert-parallel peers (its output is dropped)."""
-        tokens = torch.full((1, 1), self.pad_id, dtype=torch.long, device=self.device)
-        positions = torch.zeros(1, 1, dtype=torch.long, device=self.device)
-        recv = None
-        if not self.first_stage:
-            dtype = self.config.pipeline_dtype or self.config.params_dtype
-            recv = torch.empty(1, 1, self.config.hidden_size, dtype=dtype, device=self.device)
-            dist.recv(recv, src=self._prev_rank, group=self.pp_group)
-        self.model.set_input_tensor(recv)
-        out = self.model(tokens, positions, None)
-        if not self.last_stage:
-            dist.send(out.contiguous(), dst=self._next_rank, group=self.pp_group)
-        if self.routing is not None:
-            self.routing.take_records()
+    def _cache_for(self, rows: int, window: int) -> None:
+        """Keep the cache if it holds ``rows`` x ``window``, else free it and allocate one."""
+        cache = self._cache
+        if cache is None or cache.rows < rows or cache.length < window:
+            self.free_cache()
+            self._cache = self.stage.new_cache(rows, window)
 
-    def _anyone_decoding(self, mine: bool) -> bool:
-        """Whether any rank of the expert-parallel group still decodes (collective there);
-        just ``mine`` without expert parallelism."""
-        if self._ep_group is None:
-            return mine
-        from reco_megatron.parallel.collectives import collective_device
-
-        flag = torch.tensor([1 if mine else 0], dtype=torch.int32)
-        flag = flag.to(collective_device(self._ep_group))
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._ep_group)
-        return bool(flag.item())
-
+    # ----------------------------------------------------------------- expert parallel
     def lockstep_calls(self, calls: int) -> int:
         """The most :meth:`decode` calls any rank of the expert-parallel group makes for one
         ``generate`` (collective there); ``calls`` without expert parallelism. A rank with
         fewer calls makes up the difference with :meth:`decode_idle`."""
-        if self._ep_group is None:
-            return calls
-        from reco_megatron.parallel.collectives import collective_device
+        return self.groups.most(calls)
 
-        most = torch.tensor([calls], dtype=torch.int64).to(collective_device(self._ep_group))
-        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self._ep_group)
-        return int(most.item())
+    def _idle_forward(self) -> None:
+        """This rank's part of its expert-parallel peers' MoE step (output dropped)."""
+        self.stage.idle(self.pad_id)
+        if self.routing is not None:
+            self.routing.take_records()
 
     @torch.no_grad()
     def decode_idle(self) -> None:
@@ -242,34 +195,93 @@ class MegatronDecoder:
         was_training = self.model.training
         self.model.eval()
         try:
-            with sequence_parallel_off(self.model):  # as in decode: one position per row
-                while self._anyone_decoding(False):
-                    self._idle_forward()
+            with sequence_parallel_off(self.model):
+                while self.groups.anyone(False):
+                    for _ in range(self.sync_every):
+                        self._idle_forward()
         finally:
             self.model.set_input_tensor(None)
             self.model.train(was_training)
 
-    def _record(self, routed: torch.Tensor, start: int, end: int, b: int) -> None:
-        """Store the experts of positions ``[start, end)`` of the last forward."""
-        assert self.routing is not None
-        records = self.routing.take_records()
-        for j, layer in enumerate(sorted(records)):
-            chosen = records[layer].view(end - start, b, -1).transpose(0, 1)
-            routed[:, start:end, j] = chosen.to("cpu", routed.dtype)
+    # ----------------------------------------------------------------- one call
+    def _call_state(self, noise: torch.Tensor, stop_ids: Sequence[int]) -> CallState:
+        """The call's state; the previous call's tensors are refilled when the shapes match
+        (the captured steps read them), else new ones replace them and the graphs go."""
+        new = CallState.new(noise, list(stop_ids), self.device)
+        if self._state is not None and self._state.refill(new):
+            return self._state
+        self.graphs.reset()
+        self._state = new
+        return new
 
-    def _routed_all_layers(self, routed: torch.Tensor) -> torch.Tensor:
-        """``[b, T, layers, k]`` with every pipeline stage's layers (collective over PP)."""
-        if self.pp_size == 1:
-            return routed
-        from reco_megatron.parallel.collectives import collective_device
+    def _prefill(
+        self, state: CallState, prompts: Sequence[Sequence[int]], window: int, sample: SampleFn
+    ) -> Slots:
+        """Feed every prompt (one forward, or one per group of rows when the attention
+        scores would be large; one under expert parallelism), sample each first token."""
+        b, lengths = len(prompts), [len(p) for p in prompts]
+        longest = max(lengths)
+        tokens, positions, last = prompt_batch(prompts, self.pad_id, self.device)
+        slots = self.graphs.slots(b)
+        slots.rows.copy_(torch.arange(b, device=self.device))
+        slots.positions.copy_(last)
+        step = b if self._ep_group is not None else self.stage.prefill_rows(longest, window)
+        parts = []
+        for lo in range(0, b, step):
+            part = slice(lo, min(b, lo + step))
+            index = slots.index[part]
+            args = (tokens[part], positions[part], index, last[part], lo)
+            parts.append(self.stage.forward(self._cache, window, *args))
+            if self.routing is not None:  # the prompt positions of these rows
+                valid = [(r, t) for r in range(part.start, part.stop) for t in range(lengths[r])]
+                rows = torch.tensor([r for r, _ in valid], device=self.device)
+                fed = torch.tensor([t for _, t in valid], device=self.device)
+                state.record(self.routing.take_records(), longest, (rows - lo, fed), rows, fed)
+        logits = None if parts[0] is None else torch.cat(parts)
+        self._sample_and_advance(state, slots, logits, sample)
+        return slots
 
-        device = collective_device(self.pp_group)
-        local = routed.to(device, torch.int32)
-        parts = [torch.empty_like(local) for _ in range(self.pp_size)]
-        dist.all_gather(parts, local, group=self.pp_group)
-        return torch.cat([p.cpu() for p in parts], dim=2).to(routed.dtype)
+    def _sample_and_advance(
+        self, state: CallState, slots: Slots, logits: torch.Tensor | None, sample: SampleFn
+    ) -> None:
+        n = slots.size
+        if logits is not None:
+            tokens, logprobs = sample(logits, state.uniforms(slots.rows))
+        else:
+            tokens = torch.empty(n, dtype=torch.long, device=self.device)
+            logprobs = torch.empty(n, dtype=torch.float32, device=self.device)
+        tokens, logprobs = self.groups.share(tokens, logprobs)
+        advance(state, slots, tokens, logprobs.float())
 
-    # ----------------------------------------------------------------- the loop
+    def _step(self, state: CallState, slots: Slots, window: int, sample: SampleFn) -> None:
+        """One decode step of every slot: tensor code only (captured on CUDA)."""
+        fed = slots.positions.clone() if self.routing is not None else None
+        logits = self.stage.forward(
+            self._cache, window, slots.tokens[:, None], slots.positions[:, None], slots.index
+        )
+        if fed is not None:
+            assert self.routing is not None
+            steps = torch.zeros_like(fed)
+            entries = (slots.index[:, 0], steps)
+            state.record(self.routing.take_records(), 1, entries, slots.rows, fed)
+        self._sample_and_advance(state, slots, logits, sample)
+
+    def _shrink(self, state: CallState, slots: Slots) -> Slots | None:
+        """Read the state (the host synchronisation of a round): None when every row is
+        done, else the batch, moved into a smaller one when half of it or more finished."""
+        live = (~state.finished[slots.rows]).cpu()
+        n_live = int(live.sum())
+        if n_live == 0:
+            return None
+        size = bucket(n_live, slots.size)
+        if size == slots.size:
+            return slots
+        order = live.nonzero().flatten().tolist()
+        order += [int((~live).nonzero()[0])] * (size - n_live)  # finished rows pad the batch
+        index = torch.tensor(order, device=self.device)
+        self._cache.compact(index)
+        return self.graphs.load(slots.compacted(index))
+
     @torch.no_grad()
     def decode(
         self,
@@ -277,106 +289,87 @@ class MegatronDecoder:
         noise: torch.Tensor,
         stop_ids: Sequence[int],
         sample: SampleFn,
+        sample_key: Any = None,
     ) -> list[Decoded]:
-        """Decode ``len(prompts) <= max_batch_size`` rows (collective over TP and PP).
+        """Decode ``len(prompts)`` rows (collective over TP, PP and EP).
 
         ``noise``: ``[b, max_new_tokens]`` uniforms; row ``r``'s ``t``-th response token is
-        drawn with ``noise[r, t]`` by ``sample``. Every rank of the model-parallel group must
-        call this with the same arguments. Returns one :class:`Decoded` per row.
+        drawn with ``noise[r, t]`` by ``sample``. ``sample_key``: a hashable naming ``sample``'s
+        settings (captured steps are reused across calls with equal keys; None: no capture).
+        Every rank of the model-parallel group calls this with the same arguments.
         """
         b, max_new = noise.shape
-        if b != len(prompts) or not 0 < b <= self.max_batch_size:
+        lengths = [len(p) for p in prompts]
+        if b != len(prompts) or b < 1 or min(lengths) < 1:
             raise ValueError(
-                f"{len(prompts)} prompts with noise {tuple(noise.shape)}: need one noise row per "
-                f"prompt and 1..max_batch_size={self.max_batch_size} rows"
+                f"{len(prompts)} prompts with noise {tuple(noise.shape)}: need one non-empty "
+                "prompt per noise row"
             )
-        lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
-        total = int(lengths.max()) + max_new
+        total = max(lengths) + max_new
         if total > self.max_model_len:
             raise ValueError(
-                f"longest prompt {int(lengths.max())} + max_new_tokens {max_new} = {total} > "
+                f"longest prompt {max(lengths)} + max_new_tokens {max_new} = {total} > "
                 f"max_model_len {self.max_model_len}"
             )
-        buf = torch.full((b, total), self.pad_id, dtype=torch.long)
-        for r, p in enumerate(prompts):
-            buf[r, : len(p)] = torch.tensor(list(p), dtype=torch.long)
-        stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.long)
-        routed = None
+        if b > self.max_rows(total):
+            raise ValueError(f"{b} rows > {self.max_rows(total)} that fit the KV cache")
+        window = window_for(total, self.max_model_len)
+        self._cache_for(b, window)
+        state = self._call_state(noise, stop_ids)
         if self.routing is not None:
             from reco_megatron.megatron.model.replay_hook import MISSING, routed_dtype
 
-            layers = len(self.routing.routers)
-            routed = torch.full(
-                (b, total, layers, self.routing.topk),
-                MISSING,
-                dtype=routed_dtype(self.routing.num_experts),
-            )
+            shape = (b, window, len(self.routing.routers), self.routing.topk)
+            dtype = routed_dtype(self.routing.num_experts)
+            state.routed = torch.full(shape, MISSING, dtype=dtype, device=self.device)
             self.routing.record_all(True)
-        out_tok = torch.zeros(b, max_new, dtype=torch.long)
-        out_lp = torch.zeros(b, max_new, dtype=torch.float32)
-        count = torch.zeros(b, dtype=torch.long)
-        stopped = torch.zeros(b, dtype=torch.bool)
-        rows = torch.arange(b)
-
+        key = None if sample_key is None else (window, max_new, sample_key)
         was_training = self.model.training
         self.model.eval()
-        ctx = self.context
-        ctx.reset()
-        start, end = 0, int(lengths.min())
-        with sequence_parallel_off(self.model):
-            finished = False
-            try:
-                while self._anyone_decoding(not finished):
-                    if finished:  # expert-parallel peers still decode
-                        self._idle_forward()
-                        continue
-                    step_tokens = buf[:, start:end].to(self.device)
-                    positions = torch.arange(start, end, device=self.device).expand(b, -1)
-                    logits = self._forward(step_tokens, positions)
-                    if routed is not None:
-                        self._record(routed, start, end, b)
-                    fed = end
-                    active = (lengths <= end) & ~stopped & (count < max_new)
-                    if self.last_stage:
-                        uniforms = noise[rows, count.clamp(max=max_new - 1)]
-                        tok, logp = sample(logits, uniforms.to(logits.device))
-                        tok, logp = tok.cpu(), logp.float().cpu()
-                    else:
-                        tok = torch.empty(b, dtype=torch.long)
-                        logp = torch.empty(b, dtype=torch.float32)
-                    tok, logp = self._share(tok, logp)
-                    tok, logp = tok.cpu(), logp.cpu()
-                    idx = rows[active]
-                    out_tok[idx, count[idx]] = tok[idx]
-                    out_lp[idx, count[idx]] = logp[idx]
-                    buf[idx, end] = tok[idx]
-                    count[idx] += 1
-                    stopped[idx] |= torch.isin(tok[idx], stops)
-                    done = stopped | (count >= max_new)
-                    if bool(done.all()) or end + 1 >= total:
-                        finished = True
-                        continue
-                    if bool((lengths <= end + 1).all()):
-                        ctx.enable_decode_mode()
-                    start, end = end, end + 1
-            finally:
-                ctx.reset()
-                self.model.set_input_tensor(None)
-                self.model.train(was_training)
-                if self.routing is not None:
-                    self.routing.record_all(False)
-        if routed is not None:
-            routed = self._routed_all_layers(routed)
-            routed[:, fed:] = MISSING  # positions never fed (the last sampled tokens)
-        rows = []
-        for r in range(b):
-            n = int(count[r])
-            rows.append(
-                Decoded(
-                    token_ids=out_tok[r, :n].tolist(),
-                    logprobs=out_lp[r, :n].tolist(),
-                    stopped=bool(stopped[r]),
-                    routed_experts=None if routed is None else routed[r, : int(lengths[r]) + n],
-                )
-            )
-        return rows
+        try:
+            with sequence_parallel_off(self.model):
+                self._loop(state, prompts, window, sample, key)
+        finally:
+            self.model.set_input_tensor(None)
+            self.model.train(was_training)
+            if self.routing is not None:
+                self.routing.record_all(False)
+        routed = None
+        if state.routed is not None:
+            routed = self.groups.all_layers(state.routed.cpu())
+        return state.results(lengths, routed)
+
+    def _loop(
+        self,
+        state: CallState,
+        prompts: Sequence[Sequence[int]],
+        window: int,
+        sample: SampleFn,
+        key: Any,
+    ) -> None:
+        """Rounds of device-only forwards (the prefill, then decode steps), each followed by
+        one host read (:meth:`_shrink`). Under expert parallelism every round is
+        ``sync_every`` forwards on every rank of the group (a rank without live rows runs
+        :meth:`_idle_forward`) and starts with the group agreeing whether anyone decodes."""
+        lockstep = self._ep_group is not None
+        slots: Slots | None = None
+        started = False
+        steps_left = state.max_new - 1
+        while self.groups.anyone(slots is not None or not started):
+            used = 0
+            if not started:
+                slots = self._prefill(state, prompts, window, sample)
+                started, used = True, 1
+            limit = self.sync_every - used if lockstep else min(self.sync_every, steps_left)
+            for _ in range(limit):
+                if slots is None:
+                    self._idle_forward()  # this rank is done, expert-parallel peers are not
+                    continue
+                step = partial(self._step, state, slots, window, sample)
+                if key is None:  # an unnamed sampler: nothing to reuse a capture for
+                    step()
+                else:
+                    self.graphs.run((slots.size, key), step)
+                steps_left -= 1
+            if slots is not None:
+                slots = self._shrink(state, slots)

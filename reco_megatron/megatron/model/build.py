@@ -238,9 +238,10 @@ def build_model(
         config: the ``TransformerConfig`` from :func:`transformer_config`.
         pre_process / post_process: whether this chunk holds the embedding / the output layer.
         on_gpu: whether the model will run on CUDA (with transformer-engine importable: the TE
-            spec, see :func:`layer_backend`). The chunk is returned where megatron built it
-            (CPU, or CUDA parameters without CPU initialisation); the engine moves it to its
-            device.
+            spec, see :func:`layer_backend`). With it the chunk is returned with every
+            parameter and buffer on the compute device
+            (:func:`~reco_megatron.megatron.device.compute_device`, the current CUDA device):
+            megatron builds its linear layers there but the local spec's norms on the CPU.
         vp_stage: the virtual-pipeline chunk index (None without a virtual pipeline): which
             layers the chunk holds, hence their global numbers and checkpoint keys.
     """
@@ -252,7 +253,7 @@ def build_model(
         kwargs.update(rope_scaling=True, rope_scaling_factor=model.rope_scaling_factor)
     if vp_stage is not None:
         kwargs["vp_stage"] = vp_stage
-    return build_gpt_model(
+    gpt = build_gpt_model(
         config=config,
         transformer_layer_spec=_layer_spec(model, config, on_gpu, vp_stage),
         vocab_size=model.padded_vocab_size(tp),
@@ -265,6 +266,11 @@ def build_model(
         rotary_base=int(model.rotary_base),
         **kwargs,
     )
+    if on_gpu:
+        from reco_megatron.megatron.device import compute_device
+
+        gpt = gpt.to(compute_device())
+    return gpt
 
 
 def _return_hidden_states(self: Any, input_: torch.Tensor, weight: Any = None, **_: Any):

@@ -83,7 +83,7 @@ def engine_spec(cfg: TrainConfig, tokenizer: Tokenizer, device: str) -> dict[str
         eos_token_ids=eos,
         seed=cfg.trainer.seed,
         device=device,
-        max_batch_size=r.max_batch_size,
+        max_batch_size=64 if r.max_batch_size == "auto" else r.max_batch_size,
         # colocated vLLM shards like the trainer; a separate worker is one GPU (docs/rollout.md)
         tensor_parallel_size=tp if r.placement == "colocated" else 1,
         gpu_memory_utilization=r.gpu_memory_utilization,
@@ -156,16 +156,21 @@ def _megatron_engine(
 
     if policy is None:
         raise ValueError("rollout.engine=megatron needs the trainer's engine (policy=...)")
+    r = cfg.rollout
     decoder = MegatronDecoder(
         policy.unwrapped(),
         vocab_size=cfg.model.vocab_size,
         max_model_len=max_len,
-        max_batch_size=cfg.rollout.max_batch_size,
+        max_batch_size=None if r.max_batch_size == "auto" else r.max_batch_size,
+        kv_cache_bytes=None if r.kv_cache_gib is None else int(r.kv_cache_gib * 2**30),
         pad_id=eos[0],
         routing=policy.routing,
         record_routing=cfg.update.routing_replay != "off",
     )
-    return MegatronEngine(decoder, MegatronEngineConfig(seed=cfg.trainer.seed, eos_token_ids=eos))
+    engine_cfg = MegatronEngineConfig(
+        seed=cfg.trainer.seed, eos_token_ids=eos, release_cache_after_generate=not r.keep_kv_cache
+    )
+    return MegatronEngine(decoder, engine_cfg)
 
 
 def write_rollout_model_dir(cfg: TrainConfig, hf_config: dict[str, Any]) -> Path:
