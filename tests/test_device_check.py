@@ -297,3 +297,50 @@ def test_check_sh_refuses_bad_options(tmp_path: Path) -> None:
     ):
         proc = subprocess.run(["bash", str(check), *args], capture_output=True, text=True)
         assert proc.returncode == 2 and message in proc.stderr, (args, proc.stderr)
+
+
+def test_summary_renders_training_throughput_with_an_out_of_memory_case(tmp_path: Path) -> None:
+    out = _check_dir(tmp_path, {"train_throughput": "killed"})
+    arch = {
+        "hidden_size": 4096,
+        "num_attention_heads": 32,
+        "num_query_groups": 8,
+        "ffn_hidden_size": 14336,
+        "vocab_size": 128256,
+        "params_dtype": "bfloat16",
+        "num_layers": 2,
+    }
+    ok = {"case": "4096", "attention": "torch", "status": "ok", "tokens_per_s": 50000.0}
+    ok.update(model_tflops=330.0, mfu=0.42, peak_allocated_gib=40.0)
+    oom = {"case": "16384", "attention": "local", "status": "out of memory"}
+    report = {
+        "device": "H200",
+        "torch": "2.11",
+        "arch": arch,
+        "parameters": 1.5e9,
+        "setup_s": 9.0,
+        "steps": 2,
+        "tokens_per_step": 32768,
+        "matmul_tflops": 790.0,
+        "cases": [ok, {**oom, "peak_allocated_gib": 139.0}],
+        "complete": False,
+    }
+    write_json(out / "train_throughput.json", report)
+    assert summary.main(out) == 0
+    md = (out / "summary.md").read_text()
+    assert "| 4096 | torch | ok | 50000 | 330 | 42.0% | 40.0 |" in md
+    assert "| 16384 | local | out of memory |  |  |  | 139.0 |" in md
+    assert "**Partial**" in md
+
+
+def test_megatron_flops_count_of_the_8b_slice() -> None:
+    # Megatron-LM's count by hand for one 4096-token sequence through one Llama-3.1-8B layer
+    # plus the output layer: 24 h^2 s (QKV + output projection with 8/32 KV heads: 2 h^2 (1 +
+    # 1/4) x 3 passes x 2 FLOPs) + attention 12 h s^2 + SwiGLU 18 h F s + logits 6 h V s.
+    throughput = _script("train_throughput")
+    h, s, f, v = 4096, 4096, 14336, 128256
+    want = 12 * h * h * s * 1.25 + 12 * h * s * s + 18 * h * f * s + 6 * h * v * s
+    got = throughput.megatron_flops([s], 1, throughput.SLICE, v)
+    assert got == pytest.approx(want, rel=1e-12)
+    # packed documents count attention over their own lengths: less than one long sequence
+    assert throughput.megatron_flops([s // 2] * 2, 1, throughput.SLICE, v) < got

@@ -27,6 +27,7 @@ SECTIONS = (
     "kernel_tests",
     "trainer_tests",
     "rl_step",
+    "train_throughput",
     "rollout_engines",
 )
 ABSENT = ("hypothesis", "pyarrow")  # what the image stand-in must lack, carried or not

@@ -10,7 +10,7 @@ the summary must never hide a result behind a traceback.
 
 Reads only JSON (no torch import): ``check.json`` and ``steps.jsonl`` (check.sh),
 ``environment.json``, ``stats_op.json``, ``kernel_tests.jsonl``, ``trainer_tests.jsonl``,
-``rl_step/rl_step.json``, ``rollout_engines.json``.
+``rl_step/rl_step.json``, ``train_throughput.json``, ``rollout_engines.json``.
 """
 
 from __future__ import annotations
@@ -182,6 +182,40 @@ def rl_step(report: dict) -> list[str]:
     return lines
 
 
+def train_throughput(report: dict) -> list[str]:
+    lines = _partial(report, "the cases")
+    arch = report["arch"]
+    lines.append(
+        f"{report['device']} (torch {report['torch']}): {arch['num_layers']} layers of hidden "
+        f"{arch['hidden_size']}, {arch['num_attention_heads']} heads / "
+        f"{arch['num_query_groups']} KV groups, FFN {arch['ffn_hidden_size']}, vocabulary "
+        f"{arch['vocab_size']} ({report['parameters'] / 1e6:.1f}M parameters, "
+        f"{arch['params_dtype']}); {report['tokens_per_step']} tokens per optimizer step, median "
+        f"of {report['steps']} after a warm-up; matmul rate measured here "
+        f"{report['matmul_tflops']:.3g} TFLOP/s."
+    )
+    if report["cases"]:
+        lines += [
+            "",
+            "| case | attention | status | tokens/s | model TFLOP/s | MFU | peak GiB |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for c in report["cases"]:
+            ok = c["status"] == "ok"
+            cells = (
+                (f"{c['tokens_per_s']:.0f}", f"{c['model_tflops']:.3g}", f"{c['mfu']:.1%}")
+                if ok
+                else ("", "", "")
+            )
+            peak = _f(c.get("peak_allocated_gib"), ".1f") if "peak_allocated_gib" in c else ""
+            lines.append(
+                f"| {c['case']} | {c['attention']} | {c['status']} | "
+                + " | ".join(cells)
+                + f" | {peak} |"
+            )
+    return lines
+
+
 def rollout_engines(report: dict) -> list[str]:
     lines = _partial(report, "the arms")
     lines.append(
@@ -213,6 +247,7 @@ SECTIONS: list[tuple[str, str, str, Callable[[dict], list[str]]]] = [
     ("kernel_tests", "GPU tests: kernels and engines", "kernel_tests.jsonl", tests),
     ("trainer_tests", "GPU tests: trainer", "trainer_tests.jsonl", tests),
     ("rl_step", "RL step", "rl_step/rl_step.json", rl_step),
+    ("train_throughput", "Training throughput", "train_throughput.json", train_throughput),
     ("rollout_engines", "Rollout engines", "rollout_engines.json", rollout_engines),
 ]
 

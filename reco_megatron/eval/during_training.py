@@ -24,7 +24,8 @@ from reco_megatron.data.tokenizer import Tokenizer
 from reco_megatron.eval.metrics import check_kmax, coverage_summary, ks_up_to
 from reco_megatron.eval.report import plot_over_training
 from reco_megatron.eval.runner import EvalProblem, evaluate_problems
-from reco_megatron.rollout.base import RolloutEngine, SamplingParams
+from reco_megatron.rollout.base import RolloutEngine
+from reco_megatron.rollout.requests import SamplingParams
 from reco_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)

@@ -24,9 +24,10 @@ from reco_megatron.eval import report
 from reco_megatron.eval.checkpoints import EngineName, as_hf_dir, build_engine, checkpoint_kind
 from reco_megatron.eval.metrics import check_kmax, coverage_summary, ks_up_to
 from reco_megatron.eval.runner import EvalProblem, evaluate_problems
-from reco_megatron.rewards.pool import RewardPool, RewardPoolConfig
+from reco_megatron.rewards.pool import RewardPool
+from reco_megatron.rewards.pool_config import RewardPoolConfig
 from reco_megatron.rewards.registry import answer_key_spec, resolve_answer_key
-from reco_megatron.rollout.base import SamplingParams
+from reco_megatron.rollout.requests import SamplingParams
 from reco_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)

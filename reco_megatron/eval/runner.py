@@ -15,7 +15,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from reco_megatron.eval.metrics import ProblemResult, summarize_group
-from reco_megatron.rollout.base import RolloutEngine, SamplingParams
+from reco_megatron.rollout.base import RolloutEngine
+from reco_megatron.rollout.requests import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from reco_megatron.rewards import types as st
-from reco_megatron.rewards.pool import RewardPool, RewardPoolConfig
+from reco_megatron.rewards.pool import RewardPool
+from reco_megatron.rewards.pool_config import RewardPoolConfig
 from reco_megatron.rewards.registry import BUILTIN_REWARDS, RewardSpecError, resolve_reward
 
 _REFUSED = {

@@ -7,17 +7,19 @@ takes Hugging Face-named tensors and never imports megatron. See ``docs/rollout.
 """
 
 from reco_megatron.algo.ratios import tis_weights
-from reco_megatron.rollout.base import (
+from reco_megatron.rollout.base import RolloutEngine
+from reco_megatron.rollout.embedded import EmbeddedEngine
+from reco_megatron.rollout.embedded_config import EmbeddedEngineConfig
+from reco_megatron.rollout.mismatch import logprob_mismatch, mismatch_metrics
+from reco_megatron.rollout.requests import (
     Completion,
     FinishReason,
-    RolloutEngine,
     SamplingArg,
     SamplingParams,
     validate_requests,
 )
-from reco_megatron.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
-from reco_megatron.rollout.mismatch import logprob_mismatch, mismatch_metrics
-from reco_megatron.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
+from reco_megatron.rollout.vllm_config import VLLMEngineConfig
+from reco_megatron.rollout.vllm_engine import VLLMEngine
 
 __all__ = [
     "Completion",

@@ -56,7 +56,8 @@ def build_engine(
     if checkpoint and model_dir is None:
         raise ValueError("checkpoint=True needs model_dir, the directory of the weights")
     if kind == "embedded":
-        from reco_megatron.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
+        from reco_megatron.rollout.embedded import EmbeddedEngine
+        from reco_megatron.rollout.embedded_config import EmbeddedEngineConfig
 
         engine = EmbeddedEngine(
             hf_config,
@@ -72,7 +73,8 @@ def build_engine(
             engine.update_weights(load_safetensors(Path(model_dir)))
         return engine
     if kind == "vllm":
-        from reco_megatron.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
+        from reco_megatron.rollout.vllm_config import VLLMEngineConfig
+        from reco_megatron.rollout.vllm_engine import VLLMEngine
 
         if model_dir is None:
             raise ValueError("the vllm engine needs model_dir (a directory with config.json)")

@@ -27,7 +27,8 @@ from typing import Protocol
 
 import torch
 
-from reco_megatron.rollout.base import Completion, RolloutEngine, SamplingArg
+from reco_megatron.rollout.base import RolloutEngine
+from reco_megatron.rollout.requests import Completion, SamplingArg
 from reco_megatron.rollout.sampling import (
     SeededCalls,
     call_seed,

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from reco_megatron.rollout.base import SamplingParams
+from reco_megatron.rollout.requests import SamplingParams
 
 
 def truncation_mask(scaled_logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

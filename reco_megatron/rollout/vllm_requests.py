@@ -1,7 +1,7 @@
 """What the vLLM engine sends and receives, as pure functions (tested without vLLM).
 
 ``vllm.SamplingParams`` keyword arguments per request, per-request seeds, and the conversion of
-``RequestOutput`` objects into :class:`~reco_megatron.rollout.base.Completion` lists; the
+``RequestOutput`` objects into :class:`~reco_megatron.rollout.requests.Completion` lists; the
 behaviour they encode was read from the vLLM 0.33.0 source (see ``vllm_engine``).
 """
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from reco_megatron.rollout.base import Completion, SamplingParams
+from reco_megatron.rollout.requests import Completion, SamplingParams
 from reco_megatron.rollout.sampling import call_seed
 
 VLLM_MAX_TEMPERATURE = 2.0

@@ -30,7 +30,7 @@ from reco_megatron.megatron import (
     length_multiple,
     round_up,
 )
-from reco_megatron.rewards.pool import RewardPoolConfig
+from reco_megatron.rewards.pool_config import RewardPoolConfig
 from reco_megatron.trainer.rollout_config import RolloutConfig
 from reco_megatron.trainer.sections import (
     CheckpointConfig,

@@ -243,8 +243,9 @@ class TrainerConfig:
     """Metrics, resolved config, checkpoints and plots go here."""
     loggers: list[LoggerName] = field(default_factory=lambda: ["tensorboard"])
     """Experiment trackers next to metrics.jsonl, any of ``tensorboard``, ``wandb``, ``mlflow``
-    (rank 0; offline unless a server is configured: trainer/loggers.py). W&B or MLflow listed
-    but not installed is an error before the run starts (TensorBoard: a note); ``[]``: none."""
+    (rank 0; offline unless a server is configured: trainer/reporting/loggers.py). W&B or
+    MLflow listed but not installed is an error before the run starts (TensorBoard: a note);
+    ``[]``: none."""
     project: str = "reco-megatron"
     """The W&B project / MLflow experiment the run is logged under (its name: the output
     directory's)."""

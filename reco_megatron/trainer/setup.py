@@ -29,16 +29,19 @@ from reco_megatron.data.sampler import PromptSampler
 from reco_megatron.data.tokenizer import Tokenizer
 from reco_megatron.megatron import (
     CheckpointError,
+    CheckpointSpaceError,
     ReCoEngine,
     latest_checkpoint,
     load_checkpoint,
     read_meta,
     remove_partial_checkpoints,
     resume_latest,
+    save_checkpoint,
+    sft_checkpoint_name,
 )
 from reco_megatron.parallel.batch import RolloutBatch
 from reco_megatron.trainer.config import CountdownConfig, TrainConfig
-from reco_megatron.trainer.orchestration import RolloutClient
+from reco_megatron.trainer.orchestration import PromptSource, RolloutClient
 from reco_megatron.utils.logging import get_logger
 
 if TYPE_CHECKING:
@@ -134,6 +137,36 @@ def countdown_prompts(out: Path, cfg: TrainConfig, tokenizer: Tokenizer) -> Prom
     train_path, _ = ensure_countdown_data(out / "data", cfg.data.countdown, cfg.trainer.seed)
     dist.barrier()
     return load_prompts(train_path, cfg.prompt_dataset(), tokenizer)
+
+
+def prompt_source(
+    cfg: TrainConfig, out: Path, tokenizer: Tokenizer, dataset: PromptDataset | None
+) -> PromptSource:
+    """The run's prompts: ``dataset`` as the pre-flight loaded it, else the countdown task
+    generated under ``out/data`` (collective), with their chat formatting and the seeded
+    sampler of ``prompts_per_step`` groups per step."""
+    if dataset is None:
+        dataset = countdown_prompts(out, cfg, tokenizer)
+    formatter = PromptFormatter(tokenizer=tokenizer, template=cfg.data.template)
+    sampler = PromptSampler(len(dataset), cfg.rollout.prompts_per_step, seed=cfg.trainer.seed)
+    return PromptSource(cfg, dataset, tokenizer, formatter, sampler)
+
+
+def build_engine(cfg: TrainConfig) -> ReCoEngine:
+    """The Megatron engine (model, optimizer, loss layers) of this rank, with the learning-rate
+    schedule over every optimizer step the run will take."""
+    u = cfg.update
+    total_updates = cfg.trainer.max_steps * u.minibatches_per_rollout * u.epochs_per_rollout
+    return ReCoEngine(
+        cfg.model,
+        cfg.parallel,
+        cfg.loss,
+        cfg.optimizer,
+        cfg.update,
+        total_optimizer_steps=total_updates,
+        seed=cfg.trainer.seed,
+        response_weight_policy=cfg.response_weight_policy,
+    )
 
 
 def sft_batches(
@@ -309,3 +342,29 @@ def saved_model_layout(path: Path) -> tuple[dict[str, Any] | None, str | None]:
         return read_meta(path)["layout"]["model"], None
     except (CheckpointError, KeyError, TypeError) as exc:
         return None, str(exc)
+
+
+def save_step(
+    cfg: TrainConfig,
+    engine: ReCoEngine,
+    state: dict[str, Any],
+    *,
+    sft_step: int | None,
+    run_id: str,
+) -> None:
+    """Checkpoint ``state["step"]`` of the run under ``trainer.output_dir/checkpoints`` (the
+    SFT warm-up's ``sft_<n>`` when ``sft_step`` is set); a full disk ends the run with one line."""
+    ck = cfg.checkpoint
+    try:
+        save_checkpoint(
+            Path(cfg.trainer.output_dir) / "checkpoints",
+            state["step"],
+            engine,
+            state,
+            keep_last=ck.keep_last,
+            name=sft_checkpoint_name(sft_step) if sft_step is not None else None,
+            group_writable=ck.group_writable,
+            run_id=run_id,
+        )
+    except CheckpointSpaceError as exc:  # the message says it all: no traceback
+        raise SystemExit(f"reco-train: {exc}") from None

@@ -11,7 +11,7 @@ from reco_megatron.algo.passk import pass_at_k
 from reco_megatron.eval import report
 from reco_megatron.eval.metrics import coverage_summary, ks_up_to
 from reco_megatron.eval.runner import EvalProblem, evaluate_problems, problem_seed
-from reco_megatron.rollout.base import Completion, SamplingParams
+from reco_megatron.rollout.requests import Completion, SamplingParams
 
 CORRECT = {"p0": 0, "p1": 1, "p2": 3, "p3": 8}
 

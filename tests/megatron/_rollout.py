@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from reco_megatron.rollout.base import SamplingParams
+from reco_megatron.rollout.requests import SamplingParams
 
 PROMPTS = [[5, 17, 3], [9, 1, 44, 12, 7], [60, 2, 8, 31]]
 
@@ -77,7 +77,8 @@ def _embedded_twin(engine: Any, eos: tuple = ()) -> Any:
     """The embedded engine loaded with ``engine``'s weights through the HF export."""
     from reco_megatron.megatron.hf.config import hf_config_from_model_config
     from reco_megatron.megatron.hf.converter import policy_hf_weights
-    from reco_megatron.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
+    from reco_megatron.rollout.embedded import EmbeddedEngine
+    from reco_megatron.rollout.embedded_config import EmbeddedEngineConfig
 
     hf = hf_config_from_model_config(engine.model_cfg)
     hf["eos_token_id"] = None

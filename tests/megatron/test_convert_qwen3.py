@@ -101,8 +101,9 @@ def _import_export(rank: int, world: int, hf_dir: str, tp: int, ep: int, out_dir
         save_hf_checkpoint,
     )
     from reco_megatron.megatron.model.build import build_model, transformer_config
-    from reco_megatron.rollout.base import SamplingParams
-    from reco_megatron.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
+    from reco_megatron.rollout.embedded import EmbeddedEngine
+    from reco_megatron.rollout.embedded_config import EmbeddedEngineConfig
+    from reco_megatron.rollout.requests import SamplingParams
 
     cfg = model_config_from_hf(hf_dir)
     parallel = ParallelConfig(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)

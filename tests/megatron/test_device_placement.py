@@ -85,19 +85,25 @@ def test_layer_backend_follows_what_imports(monkeypatch, caplog) -> None:
     from reco_megatron.megatron.distributed import ParallelConfig
     from reco_megatron.megatron.model import build as model_mod
 
+    model = _reco.model_config()
     monkeypatch.setattr(model_mod, "_warned", set())
     monkeypatch.setattr(model_mod, "_transformer_engine_importable", lambda: True)
-    assert model_mod.layer_backend(on_gpu=True) == "transformer_engine"
-    assert model_mod.layer_backend(on_gpu=False) == "local"
-    cfg = model_mod.transformer_config(_reco.model_config(), ParallelConfig(), on_gpu=True)
+    assert model_mod.layer_backend(model, on_gpu=True) == "transformer_engine"
+    assert model_mod.layer_backend(model, on_gpu=False) == "local"
+    assert model_mod.attention_backend(model, on_gpu=False) == "torch"
+    local = _reco.model_config(attention_backend="local")
+    assert model_mod.layer_backend(local, on_gpu=True) == "local"
+    assert model_mod.attention_backend(local, on_gpu=True) == "local"
+    cfg = model_mod.transformer_config(model, ParallelConfig(), on_gpu=True)
     assert cfg.persist_layer_norm and cfg.masked_softmax_fusion and cfg.bias_dropout_fusion
 
     monkeypatch.setattr(model_mod, "_transformer_engine_importable", lambda: False)
     with caplog.at_level("WARNING"):
-        assert model_mod.layer_backend(on_gpu=True) == "local"
-        assert model_mod.layer_backend(on_gpu=True) == "local"
+        assert model_mod.layer_backend(model, on_gpu=True) == "local"
+        assert model_mod.layer_backend(model, on_gpu=True) == "local"
     assert sum("transformer-engine is not importable" in r.message for r in caplog.records) == 1
-    cfg = model_mod.transformer_config(_reco.model_config(), ParallelConfig(), on_gpu=True)
+    assert model_mod.attention_backend(model, on_gpu=True) == "torch"
+    cfg = model_mod.transformer_config(model, ParallelConfig(), on_gpu=True)
     assert not (cfg.persist_layer_norm or cfg.masked_softmax_fusion or cfg.bias_dropout_fusion)
 
 

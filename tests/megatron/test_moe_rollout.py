@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from reco_megatron.rollout.base import SamplingParams
+from reco_megatron.rollout.requests import SamplingParams
 from reco_megatron.testing import run_distributed
 from tests.megatron import _moe
 

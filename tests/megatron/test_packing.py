@@ -1,12 +1,12 @@
 """Packed sequences (THD) bookkeeping on CPU, against the padded path.
 
-transformer-engine's THD attention needs a GPU, so the model here is a small reference
-transformer layer whose attention honours the segment boundaries given by ``cu_seqlens``
-(block-diagonal causal mask) and whose positions come from the position ids. Packing the
-micro-batch, running the packed row, and unpacking the per-token statistics must give the same
-statistics, loss, metrics and parameter gradients as the right-padded rows: that checks the
-segment boundaries, the restarted positions, the label alignment and the unpacking. The last
-test runs the engine's packed ``forward_step`` glue with megatron-core's ``PackedSeqParams``.
+The model here is a small reference transformer layer whose attention honours the segment
+boundaries given by ``cu_seqlens`` (block-diagonal causal mask) and whose positions come from
+the position ids. Packing the micro-batch, running the packed row, and unpacking the
+per-token statistics must give the same statistics, loss, metrics and parameter gradients as
+the right-padded rows: that checks the segment boundaries, the restarted positions, the label
+alignment and the unpacking. The glue test runs the engine's packed ``forward_step`` with
+megatron-core's ``PackedSeqParams``; ``test_packed_engine`` runs the whole engine packed.
 Tolerance 1e-6: the same fp32 math in a different memory layout (softmax over masked keys).
 """
 
@@ -208,11 +208,8 @@ def test_packed_forward_step_glue_with_megatron_packed_seq_params() -> None:
     torch.testing.assert_close(outs[1][1], outs[0][1], atol=ATOL, rtol=0)
 
 
-def test_packing_is_off_without_transformer_engine_with_one_line() -> None:
-    ok, why = packing_available(False)
-    assert not ok and "GPU" in why
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        ok, why = packing_available(True)
-        assert not ok and why == "transformer-engine is not importable (THD attention needs it)"
+def test_packing_runs_with_torch_and_te_attention_and_is_refused_with_local_in_one_line() -> None:
+    assert packing_available("torch") == (True, "")
+    assert packing_available("te") == (True, "")
+    ok, why = packing_available("local")
+    assert not ok and "\n" not in why and "model.attention_backend=local" in why

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import pytest
 
-from reco_megatron.rollout.base import SamplingParams
+from reco_megatron.rollout.requests import SamplingParams
 from reco_megatron.testing import run_distributed
 from tests.megatron._rollout import logprob_gap_body, seeds_body, versus_embedded_body
 

@@ -19,7 +19,8 @@ import psutil
 import pytest
 
 from reco_megatron.rewards.containment import descendants, kill_subtree
-from reco_megatron.rewards.pool import RewardPool, RewardPoolConfig
+from reco_megatron.rewards.pool import RewardPool
+from reco_megatron.rewards.pool_config import RewardPoolConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 REWARD = "tests.rewards._helpers:forks_a_session"
@@ -77,7 +78,8 @@ def test_a_crashed_or_timed_out_worker_takes_its_children(tmp_path, how) -> None
 _TRAINER = textwrap.dedent(
     """
     import sys, time
-    from reco_megatron.rewards.pool import RewardPool, RewardPoolConfig
+    from reco_megatron.rewards.pool import RewardPool
+    from reco_megatron.rewards.pool_config import RewardPoolConfig
     pool = RewardPool(RewardPoolConfig(reward=sys.argv[1], num_workers=2, memory_limit_mb=None))
     print(pool.score(["ok", "ok"], [sys.argv[2] + ".a", sys.argv[2] + ".b"]).scores, flush=True)
     time.sleep(3600)

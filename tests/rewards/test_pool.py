@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from reco_megatron.rewards.pool import RewardPool, RewardPoolConfig
+from reco_megatron.rewards.pool import RewardPool
+from reco_megatron.rewards.pool_config import RewardPoolConfig
 from reco_megatron.rewards.registry import RewardSpecError
 
 H = "tests.rewards._helpers"

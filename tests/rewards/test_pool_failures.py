@@ -15,7 +15,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from reco_megatron.rewards.pool import RewardPool, RewardPoolConfig
+from reco_megatron.rewards.pool import RewardPool
+from reco_megatron.rewards.pool_config import RewardPoolConfig
 from reco_megatron.rewards.types import FAILURE_KINDS
 
 H = "tests.rewards._helpers"
@@ -75,7 +76,8 @@ def test_max_failed_frac_is_validated() -> None:
 _PARENT = textwrap.dedent(
     """
     import os, sys, threading
-    from reco_megatron.rewards.pool import RewardPool, RewardPoolConfig
+    from reco_megatron.rewards.pool import RewardPool
+    from reco_megatron.rewards.pool_config import RewardPoolConfig
     pool = RewardPool(RewardPoolConfig(reward="tests.rewards._helpers:sleeps_on_sleep",
                                        num_workers=2, timeout_s=3600, memory_limit_mb=None))
     print(" ".join(str(w.proc.pid) for w in pool._workers), flush=True)
@@ -124,7 +126,8 @@ def test_busy_workers_die_with_a_sigkilled_parent() -> None:
 _TRAINER_LIKE = textwrap.dedent(
     """
     import signal, sys
-    from reco_megatron.rewards.pool import RewardPool, RewardPoolConfig
+    from reco_megatron.rewards.pool import RewardPool
+    from reco_megatron.rewards.pool_config import RewardPoolConfig
     got = []
     signal.signal(signal.SIGTERM, lambda *a: got.append("TERM"))  # as the trainer's StopSignal
     pool = RewardPool(RewardPoolConfig(reward="tests.rewards._helpers:exact", num_workers=2))

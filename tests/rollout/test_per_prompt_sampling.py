@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from reco_megatron.rollout import EmbeddedEngine, SamplingParams
-from reco_megatron.rollout.base import per_prompt_sampling
+from reco_megatron.rollout.requests import per_prompt_sampling
 from reco_megatron.rollout.sampling import draw_noise, group_by_setting
 from reco_megatron.rollout.vllm_engine import request_seeds
 from reco_megatron.trainer.orchestration import RolloutClient

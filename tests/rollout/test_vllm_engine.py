@@ -12,11 +12,8 @@ import pytest
 import torch
 
 from reco_megatron.rollout import SamplingParams, VLLMEngine, VLLMEngineConfig
-from reco_megatron.rollout.vllm_engine import (
-    CPU_KV_CACHE_BYTES,
-    completions_from_outputs,
-    vllm_sampling_kwargs,
-)
+from reco_megatron.rollout.vllm_config import CPU_KV_CACHE_BYTES
+from reco_megatron.rollout.vllm_engine import completions_from_outputs, vllm_sampling_kwargs
 from reco_megatron.rollout.vllm_process import check_vllm_version
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None

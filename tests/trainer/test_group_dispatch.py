@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from reco_megatron.rollout.base import SamplingParams
+from reco_megatron.rollout.requests import SamplingParams
 from reco_megatron.trainer.orchestration import StepPrompts, WorkerLost, prompt_seed
 from reco_megatron.trainer.orchestration.dispatch import GroupDispatcher
 

@@ -82,3 +82,13 @@ def test_a_listed_tracker_that_is_missing_is_a_config_error(monkeypatch) -> None
 def test_no_tracker_still_writes_metrics(tmp_path: Path) -> None:
     out = _write(tmp_path, [])
     assert json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["step"] == 1
+
+
+def test_the_default_tracker_list_writes_with_or_without_tensorboard(tmp_path: Path) -> None:
+    """The default ``trainer.loggers`` ([tensorboard]): the writer starts and writes whether
+    tensorboard is installed or not (absent: a note, and ``metrics.jsonl`` alone). The tests'
+    runs pass ``trainer.loggers=[]``, so this is the one place the default path runs."""
+    default = TrainConfig().trainer.loggers
+    assert default == ["tensorboard"]
+    out = _write(tmp_path, default)
+    assert json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 3

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from reco_megatron.rollout.base import Completion
+from reco_megatron.rollout.requests import Completion
 from reco_megatron.testing.multiprocess import run_distributed
 from reco_megatron.trainer.orchestration import completions_fingerprint
 

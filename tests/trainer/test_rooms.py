@@ -62,7 +62,7 @@ def _type_checking_lines(path: Path) -> set[int]:
 
 
 def _trainer_targets(module: str, names: list[str]) -> list[str]:
-    """The trainer modules or rooms an import names: ``trainer.x.y`` and ``from trainer import x``."""
+    """The trainer modules or rooms an import names (``trainer.x.y``, ``from trainer import x``)."""
     prefix = "reco_megatron.trainer"
     if module == prefix:
         return [f"{prefix}.{n}" for n in names]

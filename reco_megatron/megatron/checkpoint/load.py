@@ -48,7 +48,8 @@ def check_compatible(meta: dict[str, Any], engine: Any, with_optimizer: bool) ->
     diffs = [
         f"model.{k}: checkpoint {saved['model'].get(k)!r} vs config {v!r}"
         for k, v in current["model"].items()
-        if k not in ("params_dtype", "init_method_std") and saved["model"].get(k) != v
+        if k not in ("params_dtype", "init_method_std", "attention_backend")
+        and saved["model"].get(k) != v
     ]
     if with_optimizer and saved["data_parallel_size"] != current["data_parallel_size"]:
         diffs.append(

@@ -11,13 +11,17 @@ embeddings, vocabulary padded to a multiple of ``make_vocab_size_divisible_by * 
 output layer keeps ``parallel_output=True``: logits stay vocabulary-sharded, ``[B, S, V/TP]``,
 and the statistics op upcasts them chunk by chunk.
 
-The layer spec and megatron's fusions are chosen together by :func:`layer_backend`: on GPU
-with transformer-engine importable, the TE spec with the fusions on; otherwise (CPU, or GPU
-without TE) megatron's local spec with every fusion off (they need kernels only TE/apex
-provide) and its torch norms replaced by :class:`reco_megatron.megatron.model.norm.
-SequenceParallelNorm` (parameter-dtype weights, fp32 statistics, parameters marked for the
-tensor-parallel gradient sum), so ``parallel.sequence_parallel`` works without TE too.
-The family's QK layernorm and MoE layers come from the same spec call (local
+The layer spec and megatron's fusions are chosen together by :func:`layer_backend`, from
+the attention :func:`attention_backend` resolves (``model.attention_backend``): ``te`` (a GPU
+with transformer-engine importable, ``auto``'s first choice) gives the TE spec with the fusions
+on; ``torch`` (``auto`` without TE: CPU, or a GPU without TE) and ``local`` give megatron's
+local spec with every fusion off (they need kernels only TE/apex provide), its torch norms
+replaced by :class:`reco_megatron.megatron.model.norm.SequenceParallelNorm` (parameter-dtype
+weights, fp32 statistics, parameters marked for the tensor-parallel gradient sum), so
+``parallel.sequence_parallel`` works without TE too, and as core attention torch's fused
+kernels (:class:`reco_megatron.megatron.model.attention.TorchDotProductAttention`: SDPA,
+packed rows) for ``torch`` or megatron's unfused ``DotProductAttention`` for ``local`` (the
+reference). The family's QK layernorm and MoE layers come from the same spec call (local
 ``SequentialMLP`` experts without TE), with the same norm replacement.
 """
 
@@ -28,6 +32,12 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
+from reco_megatron.megatron.model.attention import (
+    TorchDotProductAttention,
+    announce,
+    resolve_attention_backend,
+    transformer_engine_importable,
+)
 from reco_megatron.megatron.model.config import DTYPES, ModelConfig
 from reco_megatron.megatron.model.moe import moe_transformer_kwargs
 from reco_megatron.utils.logging import get_logger
@@ -39,32 +49,35 @@ _warned: set[str] = set()
 
 
 def _transformer_engine_importable() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return transformer_engine_importable()
 
 
-def layer_backend(on_gpu: bool) -> LayerBackend:
-    """Which layer implementation the model uses: ``transformer_engine`` (TE spec + fusions)
-    on GPU when transformer-engine imports, else ``local`` (torch spec, no fusions).
-
-    The one place the choice is made: :func:`transformer_config` (fusions) and
-    :func:`build_model` (spec) both ask here, so they cannot disagree. Warns once per process
-    when a GPU run falls back to the local spec.
-    """
-    if not on_gpu:
-        return "local"
-    if _transformer_engine_importable():
-        return "transformer_engine"
-    if "no_te" not in _warned:
+def attention_backend(model: ModelConfig, on_gpu: bool) -> str:
+    """The attention that runs, ``te``, ``torch`` or ``local``, for ``model.attention_backend``
+    (:func:`reco_megatron.megatron.model.attention.resolve_attention_backend`: ``auto`` = TE
+    on a GPU where it imports, else torch's fused kernels). Warns once per process when a GPU
+    run goes without transformer-engine."""
+    te = on_gpu and _transformer_engine_importable()
+    backend = resolve_attention_backend(model.attention_backend, on_gpu, te)
+    if on_gpu and not te and "no_te" not in _warned:
         _warned.add("no_te")
         logger.warning(
             "transformer-engine is not importable: using megatron's local layer spec with no "
-            "fused kernels (slower on GPU; install the 'gpu' extra or use an NGC container)"
+            "fused kernels but torch's attention (install the 'gpu' extra or use an NGC "
+            "container for TE's)"
         )
-    return "local"
+    return backend
+
+
+def layer_backend(model: ModelConfig, on_gpu: bool) -> LayerBackend:
+    """Which layer implementation the model uses: ``transformer_engine`` (TE spec + fusions)
+    when :func:`attention_backend` is ``te``, else ``local`` (megatron's local spec, no
+    fusions, with torch's or megatron's core attention).
+
+    The one place the choice is made: :func:`transformer_config` (fusions) and
+    :func:`build_model` (spec) both ask here, so they cannot disagree.
+    """
+    return "transformer_engine" if attention_backend(model, on_gpu) == "te" else "local"
 
 
 def transformer_config(model: ModelConfig, parallel: Any, on_gpu: bool) -> Any:
@@ -78,7 +91,7 @@ def transformer_config(model: ModelConfig, parallel: Any, on_gpu: bool) -> Any:
 
     model.check_tensor_parallel(parallel.tensor_model_parallel_size)
     dtype = DTYPES[model.params_dtype]
-    fused = layer_backend(on_gpu) == "transformer_engine"
+    fused = layer_backend(model, on_gpu) == "transformer_engine"
     interleaved = parallel.virtual_pipeline_model_parallel_size is not None
     moe = moe_transformer_kwargs(model.moe, parallel) if model.moe is not None else {}
     return TransformerConfig(
@@ -157,6 +170,19 @@ def _with_norm(spec: Any, norm: type) -> Any:
     return spec
 
 
+def _with_core_attention(layer: Any, core_attention: type) -> Any:
+    """The local layer spec ``layer`` with ``core_attention`` as its self-attention's core
+    attention (in place of megatron's ``DotProductAttention``). A copy."""
+    import dataclasses
+
+    attention = layer.submodules.self_attention
+    inner = dataclasses.replace(attention.submodules, core_attention=core_attention)
+    attention = dataclasses.replace(attention, submodules=inner)
+    return dataclasses.replace(
+        layer, submodules=dataclasses.replace(layer.submodules, self_attention=attention)
+    )
+
+
 def _layer_spec(model: ModelConfig, config: Any, on_gpu: bool, vp_stage: int | None) -> Any:
     """The decoder spec of one pipeline stage (or virtual-pipeline chunk).
 
@@ -181,10 +207,15 @@ def _layer_spec(model: ModelConfig, config: Any, on_gpu: bool, vp_stage: int | N
         "moe_grouped_gemm": False,
         "qk_layernorm": model.traits.qk_layernorm,
     }
-    if layer_backend(on_gpu) == "transformer_engine":
+    backend = attention_backend(model, on_gpu)
+    ratio = model.num_attention_heads // model.query_groups
+    announce(backend, on_gpu, DTYPES[model.params_dtype], ratio)
+    if backend == "te":
         return specs.get_gpt_layer_with_transformer_engine_spec(**family)
     local = specs.get_gpt_layer_local_spec(normalization="RMSNorm", **family)
     layer = _with_norm(local, SequenceParallelNorm)
+    if backend == "torch":
+        layer = _with_core_attention(layer, TorchDotProductAttention)
     return TransformerBlockSubmodules(
         layer_specs=[layer] * get_num_layers_to_build(config, vp_stage=vp_stage),
         layer_norm=SequenceParallelNorm,

@@ -12,6 +12,7 @@ from typing import Literal
 
 import torch
 
+from reco_megatron.megatron.model.attention import ATTENTION_BACKENDS
 from reco_megatron.megatron.model.moe import MoEConfig
 
 Family = Literal["llama", "qwen2", "qwen3", "qwen3_moe"]
@@ -79,6 +80,12 @@ class ModelConfig:
     """Std of the normal initialisation of new weights (overwritten when loading a checkpoint)."""
     moe: MoEConfig | None = None
     """The mixture-of-experts layers (family ``qwen3_moe``); null for dense families."""
+    attention_backend: Literal["auto", "te", "torch", "local"] = "auto"
+    """Which attention runs (not part of the architecture: any value computes the same
+    function): ``te`` (transformer-engine's, on a GPU where it imports), ``torch`` (torch's
+    fused kernels: ``scaled_dot_product_attention``, packed rows per sequence or through
+    ``varlen_attn``), ``local`` (megatron's unfused attention, the reference: ``[b, h, s, s]``
+    scores, no packed rows), ``auto`` = ``te`` where it can run, else ``torch``."""
 
     def __post_init__(self) -> None:
         if isinstance(self.moe, dict):  # from meta.json / asdict
@@ -121,6 +128,11 @@ class ModelConfig:
             raise ValueError(
                 f"num_query_groups={self.num_query_groups} must divide num_attention_heads="
                 f"{self.num_attention_heads}"
+            )
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"model.attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got "
+                f"{self.attention_backend!r}"
             )
         if self.params_dtype not in DTYPES:
             raise ValueError(

@@ -44,8 +44,10 @@ class UpdateConfig:
     attention included."""
     sequence_packing: bool = False
     """With a token budget: pack the sequences of a micro-batch into one row (THD, megatron's
-    ``PackedSeqParams``) instead of padded rows. Needs transformer-engine on a GPU; without it
-    the run logs one line and uses the padded token-budget micro-batches."""
+    ``PackedSeqParams``) instead of padded rows, positions restarting per sequence; same
+    losses and metrics. Runs with transformer-engine's attention and with torch's (CPU, and
+    GPUs without TE: ``model.attention_backend`` ``auto``/``torch``); with
+    ``model.attention_backend=local`` the run logs one line and uses padded rows."""
 
     routing_replay: Literal["off", "record", "replay"] = "off"
     """Mixture-of-experts models: ``record`` has the rollout engine return each token's

@@ -5,7 +5,7 @@ One rollout batch (whole groups of G responses per DP rank) goes through:
 1. :meth:`ReCoEngine.prepare` -- a forward-only pass of the current weights over the whole
    batch (the *old policy*: ``logp_old``, ``sum_p2_old``), the reference model's log-probs when
    a KL term is used, and the ReCo response weights computed **per complete group** before the
-   batch is split into mini-/micro-batches.
+   batch is split into mini-/micro-batches (:mod:`reco_megatron.megatron.step.old_policy`).
 2. :meth:`ReCoEngine.train_on_rollout` -- ``epochs_per_rollout`` x ``minibatches_per_rollout``
    optimizer steps. At the first step ``theta == theta_old`` so ReCo's token ratio is exactly 1;
    from the second mini-batch on it acts (docs/loss.md).
@@ -25,16 +25,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from reco_megatron.algo import LossConfig, batch_response_weights, check_weight_policy
+from reco_megatron.algo import LossConfig, check_weight_policy
 from reco_megatron.megatron.device import resolve_device
 from reco_megatron.megatron.distributed import ParallelConfig
-from reco_megatron.megatron.model.build import build_model, fuse_output_layer, transformer_config
+from reco_megatron.megatron.model.build import (
+    attention_backend,
+    build_model,
+    fuse_output_layer,
+    transformer_config,
+)
 from reco_megatron.megatron.model.config import ModelConfig
 from reco_megatron.megatron.model.optimizer import (
     OptimConfig,
@@ -51,12 +55,13 @@ from reco_megatron.megatron.step.loss_layer import (
     sft_loss_func,
     statistics_func,
 )
-from reco_megatron.megatron.step.metrics import mismatch_sums, reduce_metrics
+from reco_megatron.megatron.step.metrics import reduce_metrics
 from reco_megatron.megatron.step.microbatching import (
     MicroBatchPlan,
     scatter_rows,
     with_plan_counters,
 )
+from reco_megatron.megatron.step.old_policy import prepare_rollout
 from reco_megatron.megatron.step.schedule import MicroBatcher
 from reco_megatron.parallel.batch import RolloutBatch
 from reco_megatron.parallel.collectives import collective_device
@@ -99,7 +104,15 @@ class ReCoEngine:
         self.on_gpu = self.device.type == "cuda"
         parallel.validate_for_model(model, model.num_layers, self.on_gpu)
         self.config = transformer_config(model, parallel, self.on_gpu)
-        self.batcher = MicroBatcher(update, parallel, self.on_gpu)
+        self.attention = attention_backend(model, self.on_gpu)
+        """The attention that runs: ``te``, ``torch`` or ``local`` (``model.attention_backend``)."""
+        if parallel.context_parallel_size > 1 and self.attention != "te":
+            raise ValueError(
+                f"parallel.context_parallel_size={parallel.context_parallel_size} needs "
+                f"transformer-engine's attention, not model.attention_backend={self.attention!r}"
+                ": set context_parallel_size=1, or install transformer-engine and use 'auto'"
+            )
+        self.batcher = MicroBatcher(update, parallel, self.attention)
         """Micro-batches of every pass: fixed, token-budget or packed."""
         self.batcher.configure(self.config)
         torch.manual_seed(seed)  # identical initial weights on every data-parallel replica
@@ -210,9 +223,9 @@ class ReCoEngine:
     def statistics(self, batch: RolloutBatch, reference: bool = False) -> dict[str, torch.Tensor]:
         """Forward-only per-token ``logprob``, ``sum_p2``, ``entropy`` ``[B, S]`` on the CPU
         (last stage; ``{}`` elsewhere) of the current policy, or of the reference model."""
-        return {k: v.cpu() for k, v in self._statistics(batch, reference).items()}
+        return {k: v.cpu() for k, v in self.statistics_on_device(batch, reference).items()}
 
-    def _statistics(
+    def statistics_on_device(
         self, batch: RolloutBatch, reference: bool, **routing: bool
     ) -> dict[str, torch.Tensor]:
         """:meth:`statistics` on ``self.device`` (``routing``: see :meth:`_run`)."""
@@ -232,60 +245,17 @@ class ReCoEngine:
         return {key: scatter_rows([p[key] for p in parts], plan, s) for key in parts[0]}
 
     def prepare(self, batch: RolloutBatch) -> tuple[RolloutBatch, dict[str, float]]:
-        """The old-policy pass, reference log-probs and response weights of a whole batch.
+        """The old-policy pass, reference log-probs and response weights of a whole batch
+        (:func:`reco_megatron.megatron.step.old_policy.prepare_rollout`).
 
         With a token budget, ``update.balance_data_parallel`` and DP > 1 the ranks first exchange
         whole groups (``dp_balance``, collective): the returned batch then holds this rank's
         balanced share of the same global mini-batches. Returns the batch with
         ``old_logprobs``, ``old_sum_p2``, ``ref_logprobs`` and ``weights`` filled, on the CPU,
         and the metrics of the pass."""
-        metrics: dict[str, torch.Tensor] = {}
-        batch, balance = self.batcher.balance(batch, self.model_cfg.hidden_size)
-        batch = batch.to(self.device)
-        start = time.perf_counter()
-        routing = self._routing_for(batch)
-        stats = self._statistics(batch, reference=False, **routing)
-        elapsed = time.perf_counter() - start
-        if routing.get("measure") and self.routing is not None:
-            metrics.update(self.routing.mismatch())
-        free = None
-        if routing.get("replay") and self.update.measure_unreplayed:
-            free = self._statistics(batch, reference=False)
-        if not stats:
-            return batch.to("cpu"), {"time_old_logprob": elapsed}
-        counters = {f"old_{k}": torch.tensor(v) for k, v in self.last_plan.counters().items()}
-        metrics.update(counters)
-        mask = batch.loss_mask
-        old = stats["logprob"]
-        ref = self._statistics(batch, reference=True)["logprob"] if self.ref_model else None
-        weights = batch_response_weights(  # [B] per response, [B, S] per token (prefix modes)
-            self.loss_cfg,
-            old,
-            mask,
-            batch.group_size,
-            policy=self.response_weight_policy,
-            rollout_logprobs=batch.rollout_logprobs,
-            response_ids=batch.labels,
-        )
-        n_tok = mask.sum()
-        metrics["num_response_tokens/sum"] = n_tok
-        metrics["old_entropy/wsum"] = (stats["entropy"] * mask).sum()
-        if batch.rollout_logprobs is not None:
-            free_lp = None if free is None else free["logprob"]
-            metrics.update(mismatch_sums(batch.rollout_logprobs, old, mask, free_lp))
-        prepared = replace(
-            batch,
-            old_logprobs=old,
-            old_sum_p2=stats["sum_p2"],
-            ref_logprobs=ref,
-            weights=weights,
-        )
-        out = MoERouting.mismatch_ratios(reduce_metrics([metrics], "num_response_tokens/sum"))
-        out.update(balance)
-        out["time_old_logprob"] = elapsed
-        return prepared.to("cpu"), out
+        return prepare_rollout(self, batch)
 
-    def _routing_for(self, batch: RolloutBatch) -> dict[str, bool]:
+    def routing_for(self, batch: RolloutBatch) -> dict[str, bool]:
         """How the policy's routers treat ``batch``: ``replay`` the rollout's experts and
         ``measure`` the mismatch (the old-policy pass measures; updates only replay)."""
         if self.routing is None:
@@ -321,7 +291,7 @@ class ReCoEngine:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         start = time.perf_counter()
-        replay = self._routing_for(minibatch).get("replay", False)
+        replay = self.routing_for(minibatch).get("replay", False)
         parts, plan = self._run(self.model, minibatch, policy_loss_func, False, replay=replay)
         middle = time.perf_counter()
         if self.is_last_stage:

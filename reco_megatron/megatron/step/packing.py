@@ -1,6 +1,7 @@
 """Packed sequences (THD): several sequences of a micro-batch in one row, no padding between.
 
-With ``update.sequence_packing`` (and transformer-engine importable on a GPU) a micro-batch of
+With ``update.sequence_packing`` (and an attention that takes packed rows: transformer-engine's,
+or torch's, :mod:`reco_megatron.megatron.model.attention`, on CPU and GPU) a micro-batch of
 ``n`` rows becomes one row of ``T <= max_tokens_per_microbatch`` positions: row ``i``'s first
 ``n_i`` input positions (its needed positions, ``microbatching.needed_lengths``) sit at
 ``[start_i, start_i + n_i)``, padded to a multiple the attention kernels want. megatron-core
@@ -11,14 +12,14 @@ Only the model's input is packed. The statistics op runs on the packed logits
 ``[1, T, V/TP]`` with the packed labels, and the per-token statistics (a few floats per token,
 not the logits) are unpacked to the micro-batch's ``[n, S]`` layout before the loss, which
 therefore sees exactly what it sees without packing (``loss_layer`` asks
-``LossContext.packed``). Tested on CPU against the padded path with a reference attention that
-honours the boundaries (``tests/megatron/test_packing.py``); the transformer-engine run itself
-needs a GPU.
+``LossContext.packed``). Tested on CPU against the padded path, with a reference attention that
+honours the boundaries (``tests/megatron/test_packing.py``) and with the whole engine on torch's
+attention at TP 1, TP 2 + SP and PP 2 (``tests/megatron/test_packed_engine.py``); the
+transformer-engine run itself needs a GPU.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
@@ -34,15 +35,14 @@ from reco_megatron.utils.logging import get_logger
 logger = get_logger(__name__)
 
 
-@functools.cache
-def packing_available(on_gpu: bool) -> tuple[bool, str]:
-    """Whether THD packing can run here, and if not, the one line that says why."""
-    if not on_gpu:
-        return False, "sequence packing needs a GPU (transformer-engine's THD attention)"
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        return False, "transformer-engine is not importable (THD attention needs it)"
+def packing_available(attention: str) -> tuple[bool, str]:
+    """Whether THD packing can run with the resolved attention (``te``, ``torch`` or
+    ``local``), and if not, the one line that says why."""
+    if attention == "local":
+        return False, (
+            "model.attention_backend=local (megatron's DotProductAttention) takes no packed "
+            "rows; use 'torch' or 'auto'"
+        )
     return True, ""
 
 

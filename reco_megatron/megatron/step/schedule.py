@@ -46,10 +46,11 @@ class MicroBatcher:
     ``update``: the engine's ``UpdateConfig`` (``max_tokens_per_microbatch``,
     ``microbatch_length_multiple``, ``balance_data_parallel``, ``sequence_packing``,
     ``fused_output_layer``, ``minibatches_per_rollout``);
-    ``parallel``: its ``ParallelConfig``; ``on_gpu``: whether the model runs on CUDA.
+    ``parallel``: its ``ParallelConfig``; ``attention``: the attention that runs (``te``,
+    ``torch`` or ``local``, ``model.build.attention_backend``).
     """
 
-    def __init__(self, update: Any, parallel: Any, on_gpu: bool) -> None:
+    def __init__(self, update: Any, parallel: Any, attention: str) -> None:
         self.update, self.parallel = update, parallel
         self.budget: int | None = update.max_tokens_per_microbatch
         """Tokens per micro-batch, or None for fixed micro-batches."""
@@ -60,11 +61,11 @@ class MicroBatcher:
             parallel.context_parallel_size,
         )
         """What token-budget micro-batch lengths are rounded up to."""
-        self.packing = bool(update.sequence_packing) and self._packing_possible(on_gpu)
+        self.packing = bool(update.sequence_packing) and self._packing_possible(attention)
         """Whether micro-batches run as packed rows (THD)."""
 
-    def _packing_possible(self, on_gpu: bool) -> bool:
-        ok, why = packing_available(on_gpu)
+    def _packing_possible(self, attention: str) -> bool:
+        ok, why = packing_available(attention)
         if ok and self.parallel.context_parallel_size > 1:
             raise ValueError(
                 "update.sequence_packing=true with context_parallel_size > 1 is not supported: "

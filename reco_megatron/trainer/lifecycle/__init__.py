@@ -17,6 +17,7 @@ from reco_megatron.trainer.lifecycle.guards import (
     unparsable_count,
 )
 from reco_megatron.trainer.lifecycle.run_dir import clean_aborted_save, take_run_directory
+from reco_megatron.trainer.lifecycle.run_life import RunLife
 from reco_megatron.trainer.lifecycle.run_lock import RunLock, RunLockError
 from reco_megatron.trainer.lifecycle.stop_signals import (
     EXIT_RESUMABLE,
@@ -35,6 +36,7 @@ __all__ = [
     "NoSignalStop",
     "ResumeCheck",
     "RunAborted",
+    "RunLife",
     "RunLock",
     "RunLockError",
     "StabilityGuard",

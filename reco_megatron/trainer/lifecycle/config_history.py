@@ -94,6 +94,7 @@ SAFE_ON_RESUME: tuple[str, ...] = (
     "update.microbatch_length_multiple",
     "update.balance_data_parallel",
     "update.sequence_packing",
+    "model.attention_backend",
 )
 """Dotted keys (or prefixes ending in ``.``) that may change on resume: how the run is
 scheduled, watched, logged, parallelised and scored for failures, not what it trains on or
@@ -107,6 +108,7 @@ ADDED_KEYS: dict[str, Any] = {
     "rollout.worker_failure": "stop",
     "rollout.weight_bucket_mb": 256,
     "loss.response_weight_policy": "auto",
+    "model.attention_backend": "auto",
 }
 """Keys later versions added, each with the value that does what versions before it did: a
 checkpoint's config without the key is no change at that value (neutral values -- None,

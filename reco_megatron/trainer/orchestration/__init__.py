@@ -18,6 +18,7 @@ from reco_megatron.trainer.orchestration.engines import (
     warn_if_colocation_overflows,
     write_rollout_model_dir,
 )
+from reco_megatron.trainer.orchestration.scoring import StepScorer
 from reco_megatron.trainer.orchestration.source import (
     PromptSource,
     RolloutSource,
@@ -34,6 +35,7 @@ __all__ = [
     "RolloutSource",
     "StepPrompts",
     "StepRollout",
+    "StepScorer",
     "WorkerLost",
     "agree_on_completions",
     "build_rollout_batch",

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from reco_megatron.parallel.collectives import collective_device
-from reco_megatron.rollout.base import Completion
+from reco_megatron.rollout.requests import Completion
 from reco_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)

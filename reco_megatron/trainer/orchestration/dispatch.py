@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import torch
 
-from reco_megatron.rollout.base import SamplingParams
+from reco_megatron.rollout.requests import SamplingParams
 from reco_megatron.trainer.orchestration.source import StepPrompts, prompt_seed
 from reco_megatron.trainer.orchestration.workers import WorkerLost
 from reco_megatron.utils.logging import get_logger

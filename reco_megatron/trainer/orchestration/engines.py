@@ -33,8 +33,9 @@ from reco_megatron.megatron import (
     stage_hf_weights,
 )
 from reco_megatron.parallel.layout import RankLayout
-from reco_megatron.rollout.base import RolloutEngine, SamplingParams
+from reco_megatron.rollout.base import RolloutEngine
 from reco_megatron.rollout.engines import build_engine
+from reco_megatron.rollout.requests import SamplingParams
 from reco_megatron.trainer.config import TrainConfig
 from reco_megatron.trainer.orchestration.source import ColocatedRollout, PromptSource, RolloutSource
 from reco_megatron.trainer.orchestration.sync import RolloutClient

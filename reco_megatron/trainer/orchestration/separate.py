@@ -26,7 +26,8 @@ from typing import Any
 import torch.distributed as dist
 
 from reco_megatron.parallel.layout import RankLayout
-from reco_megatron.rollout.base import RolloutEngine, SamplingParams
+from reco_megatron.rollout.base import RolloutEngine
+from reco_megatron.rollout.requests import SamplingParams
 from reco_megatron.rollout.weight_transport import PushPlan, TensorSpec, dtype_name
 from reco_megatron.trainer.config import TrainConfig
 from reco_megatron.trainer.orchestration.dispatch import GroupDispatcher

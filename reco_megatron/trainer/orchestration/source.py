@@ -22,7 +22,8 @@ from reco_megatron.data.sampler import PromptSampler
 from reco_megatron.data.tokenizer import Tokenizer
 from reco_megatron.parallel.batch import data_parallel_groups
 from reco_megatron.parallel.layout import RankLayout
-from reco_megatron.rollout.base import Completion, RolloutEngine
+from reco_megatron.rollout.base import RolloutEngine
+from reco_megatron.rollout.requests import Completion
 from reco_megatron.trainer.config import TrainConfig
 from reco_megatron.trainer.orchestration.agreement import agree_on_completions
 from reco_megatron.trainer.orchestration.sync import RolloutClient

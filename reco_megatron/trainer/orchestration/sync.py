@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from reco_megatron.rollout.base import Completion, RolloutEngine, SamplingParams
+from reco_megatron.rollout.base import RolloutEngine
+from reco_megatron.rollout.requests import Completion, SamplingParams
 from reco_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)

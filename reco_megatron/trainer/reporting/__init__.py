@@ -13,11 +13,13 @@ from reco_megatron.trainer.reporting.metrics_writer import (
 )
 from reco_megatron.trainer.reporting.progress import announce_startup, sft_progress
 from reco_megatron.trainer.reporting.reward_health import check_failures, failure_row, local_counts
+from reco_megatron.trainer.reporting.run_report import RunReport
 from reco_megatron.trainer.reporting.step_metrics import global_row, is_wall_clock, rollout_counters
 from reco_megatron.trainer.reporting.summary import process_seconds, summary_lines
 
 __all__ = [
     "MetricsWriter",
+    "RunReport",
     "announce_startup",
     "check_failures",
     "failure_row",

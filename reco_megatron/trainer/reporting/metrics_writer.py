@@ -14,6 +14,7 @@ from typing import Any
 from reco_megatron.trainer.reporting import loggers as loggers_mod
 from reco_megatron.trainer.reporting.plots import plot_training_curves
 from reco_megatron.trainer.reporting.progress import StepProgress
+from reco_megatron.trainer.sections import missing
 from reco_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -49,7 +50,7 @@ class MetricsWriter:
         self.path = output_dir / "metrics.jsonl"
         self.output_dir = output_dir
         names = list(loggers)
-        if "tensorboard" in names and loggers_mod.missing(["tensorboard"]):
+        if "tensorboard" in names and missing(["tensorboard"]):
             logger.info("tensorboard is not installed: its logger is off (pip install tensorboard)")
             names.remove("tensorboard")
         self._loggers = loggers_mod.build_loggers(

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from reco_megatron.algo import diversity_metrics, pass_at_k
 from reco_megatron.parallel.collectives import collective_device
 from reco_megatron.parallel.layout import RankLayout
-from reco_megatron.rollout.base import Completion
+from reco_megatron.rollout.requests import Completion
 
 
 def rollout_counters(
@@ -129,7 +129,7 @@ def global_row(
         "truncated_frac": s["truncated_sum"] / n,
         "unique_frac": s["unique_frac_sum"] / groups,
         # replicas whose model-parallel ranks got different tokens from their engines
-        # (trainer/rollout_agreement.py); 0 with the embedded and megatron engines
+        # (trainer/orchestration/agreement.py); 0 with the embedded and megatron engines
         "rollout_mp_divergence": s.get("rollout_mp_divergence_sum", 0.0),
     }
     for key in keys:
