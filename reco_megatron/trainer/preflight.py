@@ -274,12 +274,14 @@ def _hf_architecture(cfg: TrainConfig, problems: list[str]) -> None:
 
     hf_dir = cfg.checkpoint.init_hf
     try:
-        diffs = architecture_mismatches(model_config_from_hf(hf_dir), cfg.model)
+        diffs = architecture_mismatches(cfg.model, model_config_from_hf(hf_dir))
     except HFConfigError as exc:
         problems.append(f"checkpoint.init_hf={hf_dir!r}: {exc}")
         return
     if diffs:
-        listed = "; ".join(f"model.{d.replace(' vs ', ' vs config.json ')}" for d in diffs)
+        listed = "; ".join(
+            f"model.{d.replace(': ', '=', 1).replace(' vs ', ', config.json ')}" for d in diffs
+        )
         problems.append(
             f"checkpoint.init_hf={hf_dir!r}: the config sets model.* that disagree with its "
             f"config.json ({listed}): delete those keys (the architecture comes from "

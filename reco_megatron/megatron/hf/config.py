@@ -257,6 +257,7 @@ def architecture_mismatches(a: ModelConfig, b: ModelConfig) -> list[str]:
         "make_vocab_size_divisible_by",
         "max_position_embeddings",
         "moe",
+        "attention_backend",
     }
     out = []
     for f in fields(ModelConfig):
@@ -280,7 +281,12 @@ def architecture_mismatches(a: ModelConfig, b: ModelConfig) -> list[str]:
     return out
 
 
-RUN_CHOICES = ("params_dtype", "init_method_std", "make_vocab_size_divisible_by")
+RUN_CHOICES = (
+    "params_dtype",
+    "init_method_std",
+    "make_vocab_size_divisible_by",
+    "attention_backend",
+)
 """ModelConfig fields that ``config.json`` does not decide (left to the run's config)."""
 
 
