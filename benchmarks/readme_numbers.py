@@ -1,6 +1,6 @@
 """The README's numbers for the default run, generated from the code as it is.
 
-Runs the README's command 1 (``python -m reco_megatron.train examples/tiny_cpu.yaml``) in a
+Runs the README's command 2 (``python -m reco_megatron.train examples/tiny_cpu.yaml``) in a
 fresh output directory, summarises its ``metrics.jsonl`` (mean reward and share of distinct
 responses over the first and last 10 RL steps, wall time), stores the summary with the
 per-step series and the resolved configuration in ``docs/results/readme_run.json``, and
@@ -234,11 +234,11 @@ def render(summary: dict[str, Any]) -> str:
         f"training groups {reward} from {s['reward_first']:.3f} (first {WINDOW} steps) to "
         f"{s['reward_last']:.3f} (last {WINDOW}), while the share of distinct responses per "
         f"group {distinct} from {s['distinct_first']:.3f} to {s['distinct_last']:.3f}{sharpens}. "
-        "The numbers are reproducible: the script runs command 1 with torch's AVX2 kernels and "
+        "The numbers are reproducible: the script runs command 2 with torch's AVX2 kernels and "
         "MKL's reproducibility mode (`ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=COMPATIBLE`), which "
         "give these metrics bit for bit on any x86-64 CPU with AVX2 of the same vendor "
         f"(these on an {s['cpu']['model']}) and "
-        "the same package versions; command 1 as written uses your CPU's best kernels, "
+        "the same package versions; command 2 as written uses your CPU's best kernels, "
         "which round differently, and 60 RL steps amplify that into other numbers (prefix it "
         "with those two variables to see these). Other package versions may round "
         "differently too: `--check` fails when the numbers differ and names every version "

@@ -123,6 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="embedded engine device")
     p.add_argument("--tp", type=int, default=1, help="vLLM tensor parallel size")
     p.add_argument("--out", default=None, help="output directory (default: RUN_DIR/reco-eval)")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the passk.* an earlier evaluation left in --out (else: refused)",
+    )
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -173,6 +178,12 @@ def resolve_inputs(args: argparse.Namespace) -> tuple[list[tuple[str, str]], dic
     for key in ("data", "out"):
         if not inputs[key]:
             raise ValueError(f"--{key} is required unless a checkpoint is a reco-train run dir")
+    earlier = sorted(p.name for p in Path(inputs["out"]).glob("passk.*"))
+    if earlier and not getattr(args, "overwrite", False):
+        raise ValueError(
+            f"--out {str(inputs['out'])!r} already holds an earlier evaluation "
+            f"({', '.join(earlier)}): pass another --out DIR, or --overwrite to replace it"
+        )
     if not Path(inputs["data"]).is_file():
         given = "--data" if args.data is not None else "the run's held-out set"
         raise ValueError(f"{given} {inputs['data']!r} is not a file: pass --data PROBLEMS.jsonl")

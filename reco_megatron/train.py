@@ -81,6 +81,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         _report("invalid command line", exc)
         return EXIT_BAD_CONFIG
+    if not args:  # the bare defaults are a reference, not a run (their task needs a file's keys)
+        _report(
+            "no config given",
+            ValueError(
+                "pass one, e.g. python -m reco_megatron.train examples/tiny_cpu.yaml "
+                "(--help-config lists every key; README, 'Fresh machine: quick start')"
+            ),
+        )
+        return EXIT_BAD_CONFIG
     if nproc is not None and not any(arg in HELP_FLAGS for arg in args):
         return check_then_launch(nproc, args, _report)
     try:

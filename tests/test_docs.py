@@ -147,3 +147,19 @@ def test_docs_mention_no_missing_repo_paths(path: Path) -> None:
         if "*" not in name and not (ROOT / name).exists()
     ]
     assert not missing, missing
+
+
+_DURATION = re.compile(r"\d+ min(?: \d+ s)?|~\d+ min")
+
+
+def test_readme_first_screen_quotes_the_figures_of_its_own_sections() -> None:
+    """Every duration the quick start quotes (the tests' time) is one its sections measured:
+    the first screen said ~10 min while the Tests section said 32."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    first, rest = text.split("\n## What it is", 1)
+    quoted = _DURATION.findall(first)
+    assert quoted, "the quick start quotes no time any more: drop this test or the claim"
+    for figure in quoted:
+        assert not figure.startswith("~") and figure in rest, (
+            f"README's first screen says {figure!r}, which no section below measured"
+        )

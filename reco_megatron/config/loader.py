@@ -96,7 +96,9 @@ def load_config(
 
     Precedence, lowest first: the dataclass defaults, ``source`` (a path to a YAML file,
     read with ``yaml.safe_load``; a mapping; an instance of a config class; or None), then
-    each override in order (``"loss.eps_high=0.28"``; later ones win). Every value is
+    each override in order (``"loss.eps_high=0.28"``; later ones win). A class with a
+    ``complete_raw(raw, problems)`` classmethod may then fill keys the user left out from
+    what they named (``TrainConfig``: the architecture of ``checkpoint.init_hf``). Every value is
     checked against its field's annotation (see :mod:`reco_megatron.config.build`) and each
     section's ``__post_init__`` runs.
 
@@ -123,6 +125,9 @@ def load_config(
             problems.extend(exc.problems)
     for override in parsed:
         apply_override(raw, cls, override, problems)  # a bad key is reported, not applied
+    complete = getattr(cls, "complete_raw", None)  # e.g. the model from init_hf's config.json
+    if callable(complete) and not problems:
+        complete(raw, problems)
     config = build_dataclass(cls, raw, (), problems)
     problems.raise_if_any(label or None)
     assert config is not FAIL

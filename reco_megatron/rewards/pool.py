@@ -147,6 +147,15 @@ class RewardPool:
                 batch.statuses[0],
             )
 
+    def trial(self, response: str, gold: str) -> tuple[str, str]:
+        """Score one item quietly (no failure warning): its status and what went wrong."""
+        self._checking = True
+        try:
+            batch = self.score([response], [gold])
+        finally:
+            self._checking = False
+        return batch.statuses[0], batch.details[0]
+
     # -- scoring ------------------------------------------------------------------------
     def score(self, responses: Sequence[str], golds: Sequence[str]) -> RewardBatch:
         """Score ``responses[i]`` against ``golds[i]``; never raises for bad responses.
@@ -168,6 +177,7 @@ class RewardPool:
         n = len(responses)
         scores = [0.0] * n
         statuses = [st.OK] * n
+        details = [""] * n
         latency = [0.0] * n
         truncated = 0
         items: list[tuple[str, str] | None] = []
@@ -197,7 +207,7 @@ class RewardPool:
             if status not in st.FAILURE_KINDS and not abs(score) <= cfg.max_abs_score:
                 detail = f"returned {score!r}, beyond reward.max_abs_score={cfg.max_abs_score:g}"
                 score, status = 0.0, st.OUT_OF_RANGE
-            scores[index], statuses[index] = score, status
+            scores[index], statuses[index], details[index] = score, status, detail
             if status in st.FAILURE_KINDS and not self._checking:
                 self._warn_once(status, items[index], detail)
             latency[index] = time.monotonic() - worker.item_started
@@ -238,6 +248,7 @@ class RewardPool:
             scores,
             statuses,
             self._metrics(scores, statuses, latency, truncated, self.restarts - restarts_before),
+            details,
         )
 
     def _handle_event(self, w_index: int, finish: Any) -> None:

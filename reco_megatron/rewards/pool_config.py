@@ -75,3 +75,5 @@ class RewardBatch:
     scores: list[float]
     statuses: list[str]
     metrics: dict[str, float] = field(default_factory=dict)
+    details: list[str] = field(default_factory=list)
+    """``[B]``: what went wrong with each failed item (the exception, the value), else ``""``."""

@@ -16,7 +16,8 @@ checkpoint) is :func:`reco_megatron.trainer.preflight.preflight`'s.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Literal
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
 from reco_megatron.algo import LossConfig
 from reco_megatron.data.dataset import DatasetConfig
@@ -41,6 +42,9 @@ from reco_megatron.trainer.sections import (
     TrainerConfig,
 )
 from reco_megatron.trainer.value_ranges import check_ranges
+
+if TYPE_CHECKING:
+    from reco_megatron.config.errors import Problems
 
 __all__ = [
     "CheckpointConfig",
@@ -110,6 +114,26 @@ class TrainConfig:
             self._check_separate_rollout()
         self._check_token_budget()
         self._check_held_out_set()
+
+    @classmethod
+    def complete_raw(cls, raw: dict[str, Any], problems: Problems) -> None:
+        """With ``checkpoint.init_hf`` naming a directory with a ``config.json``, the model
+        section is its architecture under the ``model.*`` keys the user set (called by
+        :func:`~reco_megatron.config.load_config` before the dataclasses are built; the keys
+        that disagree with ``config.json`` are the pre-flight's one line). A directory that is
+        missing or holds no ``config.json`` is left to the pre-flight, which says so."""
+        from reco_megatron.megatron import HFConfigError, model_section_from_hf
+
+        ck, model = raw.get("checkpoint"), raw.get("model", {})
+        hf_dir = ck.get("init_hf") if isinstance(ck, dict) else None
+        if not isinstance(hf_dir, str) or not hf_dir or not isinstance(model, dict):
+            return
+        if not (Path(hf_dir) / "config.json").is_file():
+            return
+        try:
+            raw["model"] = model_section_from_hf(hf_dir, model)
+        except HFConfigError as exc:
+            problems.add(("checkpoint", "init_hf"), f"{hf_dir!r}: {exc}")
 
     @property
     def response_weight_policy(self) -> Literal["proximal", "behaviour"]:

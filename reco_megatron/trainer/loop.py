@@ -184,6 +184,7 @@ class Trainer:
                 self.sft_from = None
                 self.rollout.start(self.step)
             rl_start = time.perf_counter()
+            self.report.restart_clock()  # the first RL step's time leaves the warm-up out
             if self.step >= max_steps > 0:  # resumed with no step left
                 logger.info(
                     "nothing to do: the checkpoint is at step %d, trainer.max_steps=%d (raise it "

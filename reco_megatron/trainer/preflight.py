@@ -17,14 +17,13 @@ behind.
 
 from __future__ import annotations
 
-import importlib.util
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from reco_megatron.config import ConfigError
+from reco_megatron.config import ConfigError, config_to_dict
 from reco_megatron.data.dataset import DatasetError, PromptDataset
 from reco_megatron.data.tokenizer import HFTokenizer, SentencePieceTokenizer, Tokenizer
 from reco_megatron.trainer.config import TrainConfig
@@ -172,31 +171,68 @@ def _data(
     try:
         return PromptDataset(Path(d.train_path), cfg.prompt_dataset(), tokenizer=tokenizer)
     except DatasetError as exc:
-        problems.append(f"data.train_path: {exc}")
+        if exc.kind != "too_long":
+            problems.append(f"data.train_path: {exc}")
+            return None
+    unbounded = replace(cfg.prompt_dataset(), max_prompt_len=None)
+    prompts = [r.prompt for r in PromptDataset(Path(d.train_path), unbounded, tokenizer=tokenizer)]
+    problems.append(_too_long(f"data.train_path={d.train_path!r}", prompts, cfg, tokenizer))
     return None
 
 
-def _reward(spec: str, problems: list[str]) -> None:
-    from reco_megatron.rewards.registry import BUILTIN_REWARDS
+def _too_long(where: str, prompts: list[str], cfg: TrainConfig, tokenizer: Tokenizer) -> str:
+    """The one line for prompts over ``rollout.max_prompt_len``: how many, the longest."""
+    limit = cfg.rollout.max_prompt_len
+    lengths = [len(tokenizer.encode(p)) for p in prompts]
+    over = sum(n > limit for n in lengths)
+    longest = max(lengths)
+    skip = ", or data.dataset.on_bad_row=skip to drop them" if cfg.data.train_path else ""
+    return (
+        f"{where}: {over} of {len(lengths)} prompts are longer than rollout.max_prompt_len="
+        f"{limit} (the longest has {longest} tokens): set rollout.max_prompt_len={longest} "
+        f"(model.max_position_embeddings must hold it plus rollout.max_new_tokens){skip}"
+    )
 
-    if spec in BUILTIN_REWARDS:
-        return
-    module, sep, attr = spec.partition(":")
-    if not sep or not module or not attr:
-        problems.append(
-            f"reward.reward={spec!r} is neither a built-in ({', '.join(sorted(BUILTIN_REWARDS))})"
-            " nor 'package.module:function'"
-        )
-        return
-    try:
-        found = importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        found = False
-    if not found:
-        problems.append(
-            f"reward.reward={spec!r}: module {module!r} is not importable; check the spelling "
-            "and PYTHONPATH"
-        )
+
+def _countdown(cfg: TrainConfig, tokenizer: Tokenizer, problems: list[str]) -> str | None:
+    """The generated task (no ``data.train_path``) against ``rollout.max_prompt_len``, as the
+    run will write it; returns the first problem's gold answer, for the reward's trial."""
+    from reco_megatron.data.countdown import generate
+
+    c = cfg.data.countdown
+    tasks = generate(c.n_train, seed=cfg.trainer.seed, **c.generate_kwargs())
+    prompts = [t.prompt for t in tasks]
+    if max(len(tokenizer.encode(p)) for p in prompts) > cfg.rollout.max_prompt_len:
+        problems.append(_too_long("the countdown task (data.countdown)", prompts, cfg, tokenizer))
+    return tasks[0].gold if tasks else None
+
+
+PLACEHOLDER = "/path/to/"
+"""How the examples mark a path the user must set (``# EDIT`` beside it)."""
+
+
+def _placeholders(cfg: TrainConfig) -> list[str]:
+    """Dotted keys whose value still holds the examples' ``/path/to/...`` placeholder."""
+    found: list[str] = []
+
+    def walk(node: object, prefix: str) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                walk(value, f"{prefix}{key}.")
+        elif isinstance(node, str) and PLACEHOLDER in node:
+            found.append(f"{prefix[:-1]}={node!r}")
+
+    walk(config_to_dict(cfg), "")
+    return found
+
+
+def _reward(cfg: TrainConfig, gold: str | None, problems: list[str]) -> None:
+    """Import, signature, and (a custom reward) one trial call on a real prompt, whose gold
+    answer is also the response: a non-number or an exception is refused."""
+    from reco_megatron.rewards.trial import reward_problem
+
+    if bad := reward_problem(cfg.reward, response=gold or "", gold=gold or ""):
+        problems.append(bad)
 
 
 def _checkpoint(cfg: TrainConfig, problems: list[str]) -> None:
@@ -209,6 +245,8 @@ def _checkpoint(cfg: TrainConfig, problems: list[str]) -> None:
             bad = f"checkpoint.init_hf={c.init_hf!r} holds no config.json (not an HF model)"
         if bad:
             problems.append(bad)
+        else:
+            _hf_architecture(cfg, problems)
     if c.init_megatron:
         if bad := _path_problem("checkpoint.init_megatron", c.init_megatron, directory=True):
             problems.append(bad)
@@ -229,25 +267,72 @@ def _checkpoint(cfg: TrainConfig, problems: list[str]) -> None:
             )
 
 
+def _hf_architecture(cfg: TrainConfig, problems: list[str]) -> None:
+    """``model.*`` set in the config against ``checkpoint.init_hf``'s config.json (the loader
+    took every key the user left out from there: ``TrainConfig.complete_raw``)."""
+    from reco_megatron.megatron import HFConfigError, architecture_mismatches, model_config_from_hf
+
+    hf_dir = cfg.checkpoint.init_hf
+    try:
+        diffs = architecture_mismatches(cfg.model, model_config_from_hf(hf_dir))
+    except HFConfigError as exc:
+        problems.append(f"checkpoint.init_hf={hf_dir!r}: {exc}")
+        return
+    if diffs:
+        listed = "; ".join(
+            f"model.{d.replace(': ', '=', 1).replace(' vs ', ', config.json ')}" for d in diffs
+        )
+        problems.append(
+            f"checkpoint.init_hf={hf_dir!r}: the config sets model.* that disagree with its "
+            f"config.json ({listed}): delete those keys (the architecture comes from "
+            "config.json) or start from another checkpoint"
+        )
+
+
 def preflight(cfg: TrainConfig) -> Checked:
     """Check ``cfg`` against the job and the files it names; build the tokenizer and data.
 
     Raises:
         ConfigError: every problem found, one line each, naming the key and the fix.
     """
-    problems: list[str] = []
     world = _world_size()
+    problems: list[str] = []
     dp = _layout(cfg, world, problems)
     _batches(cfg, dp, problems)
+    tokenizer, dataset = _files(cfg, problems)
+    if problems:
+        raise ConfigError(problems)
+    assert tokenizer is not None
+    return Checked(world_size=world, data_parallel_size=dp, tokenizer=tokenizer, dataset=dataset)
+
+
+def file_problems(cfg: TrainConfig) -> list[str]:
+    """The checks of :func:`preflight` that do not need the world (placeholders, paths, the
+    tokenizer, the prompts, the reward, the initial checkpoint): what ``launch_check`` and
+    the Slurm dry run add to the layout, so that a queued job cannot fail on them."""
+    problems: list[str] = []
+    _files(cfg, problems)
+    return problems
+
+
+def _files(cfg: TrainConfig, problems: list[str]) -> tuple[Tokenizer | None, PromptDataset | None]:
+    if placeholders := _placeholders(cfg):  # the examples' /path/to/...: nothing else is known
+        problems.append(
+            f"{', '.join(placeholders)}: still the example's placeholder; set "
+            f"{'it' if len(placeholders) == 1 else 'them'} to your files (the lines marked "
+            "# EDIT in the config, or key=value after it)"
+        )
+        return None, None
     tokenizer = None
     try:
         tokenizer = load_tokenizer(cfg.data.tokenizer)
     except ConfigError as exc:
         problems.extend(exc.problems)
     dataset = _data(cfg, tokenizer, problems)
-    _reward(cfg.reward.reward, problems)
+    gold = dataset[0].answer if dataset is not None else None
+    if tokenizer is not None and not cfg.data.train_path:
+        gold = _countdown(cfg, tokenizer, problems)
     _checkpoint(cfg, problems)
-    if problems:
-        raise ConfigError(problems)
-    assert tokenizer is not None
-    return Checked(world_size=world, data_parallel_size=dp, tokenizer=tokenizer, dataset=dataset)
+    if not problems:  # a trial call only on a run that could otherwise start
+        _reward(cfg, gold, problems)
+    return tokenizer, dataset

@@ -74,6 +74,14 @@ class StabilityConfig:
     dead_run_action: Literal["warn", "stop"] = "stop"
     """``stop``: exit with status 3 and one line naming the last checkpoint saved before the
     run died; ``warn``: log that line and go on (e.g. to study a collapse)."""
+    no_signal_steps: int = 5
+    """Say so when for this many consecutive steps every group's responses had one and the
+    same reward (``zero_adv_frac`` 1: every advantage is 0, so the update has no signal),
+    whether or not the run ever earned a reward: usually a reward that cannot score the
+    task's answers, or groups too small or too cold to differ. 0 turns the check off."""
+    no_signal_action: Literal["warn", "stop"] = "warn"
+    """``warn``: log one line saying what to check and go on; ``stop``: exit with status 3
+    with that line."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_consecutive_skips, int) or self.max_consecutive_skips < 1:
@@ -90,6 +98,11 @@ class StabilityConfig:
                 f"stability.dead_run_unparsable_frac must be in (0, 1], got "
                 f"{self.dead_run_unparsable_frac!r} (1.0 counts only steps where every reward "
                 "is 0)"
+            )
+        if not isinstance(self.no_signal_steps, int) or self.no_signal_steps < 0:
+            raise ValueError(
+                f"stability.no_signal_steps must be an integer >= 0 (0: off), got "
+                f"{self.no_signal_steps!r}"
             )
         if self.dead_run_action not in ("warn", "stop"):
             raise ValueError(

@@ -65,7 +65,7 @@ def _jsonl(path: Path, rows: list[object]) -> str:
         (["data.tokenizer=nope/missing.model"], "1", "data.tokenizer='nope/missing.model'"),
         (["data.train_path=nope.jsonl"], "1", "data.train_path='nope.jsonl' does not exist"),
         (["checkpoint.init_megatron=nope"], "1", "checkpoint.init_megatron='nope' does not exist"),
-        (["reward.reward=no_such_module_x:fn"], "1", "module 'no_such_module_x' is not importable"),
+        (["reward.reward=no_such_module_x:fn"], "1", "'no_such_module_x' cannot be imported"),
         (["rollout.group_size=1"], "1", "group_size must be >= 2, got 1"),
         (["trainer.max_steps=-1"], "1", "max_steps must be an integer >= 0, got -1"),
         (["checkpoint.save_interval=-2"], "1", "save_interval must be an integer >= 0, got -2"),

@@ -257,6 +257,7 @@ def architecture_mismatches(a: ModelConfig, b: ModelConfig) -> list[str]:
         "make_vocab_size_divisible_by",
         "max_position_embeddings",
         "moe",
+        "attention_backend",
     }
     out = []
     for f in fields(ModelConfig):
@@ -278,3 +279,33 @@ def architecture_mismatches(a: ModelConfig, b: ModelConfig) -> list[str]:
             if va != vb:
                 out.append(f"moe.{name}: {va!r} vs {vb!r}")
     return out
+
+
+RUN_CHOICES = (
+    "params_dtype",
+    "init_method_std",
+    "make_vocab_size_divisible_by",
+    "attention_backend",
+)
+"""ModelConfig fields that ``config.json`` does not decide (left to the run's config)."""
+
+
+def model_section_from_hf(hf_dir: str | Path, given: dict[str, Any]) -> dict[str, Any]:
+    """The ``model`` section of a run that starts from ``hf_dir``: the architecture read from
+    its ``config.json``, under the keys the user gave (``given``, the raw section), which win
+    (:func:`architecture_mismatches` against :func:`model_config_from_hf` then names the ones
+    that disagree). Nested ``moe`` merges key by key.
+
+    Raises:
+        HFConfigError: ``config.json`` is unreadable or its architecture is not supported.
+    """
+    from reco_megatron.config import config_to_dict  # pure Python, no megatron-core
+
+    plain = config_to_dict(model_config_from_hf(hf_dir))
+    section = {k: v for k, v in plain.items() if k not in RUN_CHOICES}
+    for key, value in given.items():
+        if key == "moe" and isinstance(value, dict) and isinstance(section.get("moe"), dict):
+            section["moe"] = {**section["moe"], **value}
+        else:
+            section[key] = value
+    return section

@@ -10,6 +10,8 @@ folder.
 from reco_megatron.trainer.lifecycle.config_history import CONFIG_HEADER, ResumeCheck
 from reco_megatron.trainer.lifecycle.guards import (
     DeadRunGuard,
+    NoSignalGuard,
+    NoSignalStop,
     StabilityGuard,
     StabilityStop,
     unparsable_count,
@@ -30,6 +32,8 @@ __all__ = [
     "CONFIG_HEADER",
     "EXIT_RESUMABLE",
     "DeadRunGuard",
+    "NoSignalGuard",
+    "NoSignalStop",
     "ResumeCheck",
     "RunAborted",
     "RunLife",

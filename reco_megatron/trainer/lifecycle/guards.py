@@ -123,6 +123,7 @@ class DeadRunGuard:
         self.init = init
         self.armed = False
         self.streak_start: int | None = None
+        self.no_signal = NoSignalGuard(cfg)  # watches the same rows (observe drives both)
         k = cfg.dead_run_steps
         # the stop comes before the save of the streak's k-th step, so the newest checkpoint
         # is at most k - 2 steps after the streak began; the kept ones reach
@@ -167,7 +168,12 @@ class DeadRunGuard:
 
     def observe(self, row: dict[str, float]) -> None:
         """Update the streak with one step's row; raise :class:`StabilityStop` (action
-        ``stop``) or log one warning (``warn``) when the run is dead."""
+        ``stop``) or log one warning (``warn``) when the run is dead; then the same row for
+        the :class:`NoSignalGuard`."""
+        self._observe_dead(row)
+        self.no_signal.observe(row)
+
+    def _observe_dead(self, row: dict[str, float]) -> None:
         k = self.cfg.dead_run_steps
         if not k:
             return
@@ -197,3 +203,46 @@ class DeadRunGuard:
 
 class DeadRunStop(StabilityStop):
     """The dead-run guard stopped the run (exit status 3)."""
+
+
+class NoSignalGuard:
+    """Says so when for ``stability.no_signal_steps`` consecutive steps every group's rewards
+    were all equal (the row's ``zero_adv_frac`` is 1, the same on every rank): every advantage
+    is 0, the loss and the gradient are 0, and the run trains nothing. Unlike
+    :class:`DeadRunGuard` it fires on a run that never earned a reward: the usual cause is a
+    reward that cannot score the task's answers (a custom reward's first run). One line per
+    streak, at its k-th step; ``stability.no_signal_action=stop`` raises :class:`NoSignalStop`.
+    """
+
+    def __init__(self, cfg: StabilityConfig) -> None:
+        self.cfg = cfg
+        self.streak_start: int | None = None
+
+    def observe(self, row: dict[str, float]) -> None:
+        """Update the streak with one step's ``metrics.jsonl`` row (``step``,
+        ``zero_adv_frac``, ``reward_mean``)."""
+        k = self.cfg.no_signal_steps
+        if not k:
+            return
+        step = int(row["step"])
+        if row.get("zero_adv_frac", 0.0) < 1.0:
+            self.streak_start = None
+            return
+        if self.streak_start is None:
+            self.streak_start = step
+        if step - self.streak_start + 1 != k:
+            return
+        message = (
+            f"no learning signal: in steps {self.streak_start}-{step} every group's responses "
+            f"had the same reward (last mean reward {row.get('reward_mean', float('nan')):.3g}), "
+            "so every advantage and gradient is 0; check that the reward scores this task's "
+            "answers (call it on a response from a rollout and its gold answer), or raise "
+            "rollout.group_size or rollout.temperature so that a group's responses differ"
+        )
+        if self.cfg.no_signal_action == "stop":
+            raise NoSignalStop(message)
+        logger.warning("%s", message)
+
+
+class NoSignalStop(StabilityStop):
+    """The no-signal guard stopped the run (exit status 3)."""

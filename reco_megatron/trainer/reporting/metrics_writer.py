@@ -59,11 +59,15 @@ class MetricsWriter:
         # progress=False: no bar, a line every log_interval steps (also where no bar fits)
         self._progress = StepProgress(
             total_steps,
-            desc="reco",
+            desc=loss_label((run_config or {}).get("loss", {})),
             initial=initial_step,
             every=log_interval,
             bar=None if progress else False,
         )
+
+    def restart_clock(self) -> None:
+        """The next step's time counts from now (after the SFT warm-up, not from start-up)."""
+        self._progress.restart_clock()
 
     def write(self, row: dict[str, Any]) -> None:
         """Append ``row`` (must hold ``step``)."""
@@ -127,3 +131,28 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     """All rows of a ``metrics.jsonl``."""
     with path.open(encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+IDENTITY = (
+    "objective",
+    "advantage_mode",
+    "response_weight",
+    "token_ratio",
+    "c_trust",
+    "aggregation",
+)
+"""The ``loss.*`` keys that tell the methods apart (clip widths and KL are tuning)."""
+
+
+def loss_label(loss: Mapping[str, Any]) -> str:
+    """The name a run's steps are shown with: the first preset (``grpo``, ``reco``, ...) whose
+    identity keys the ``loss`` section (plain) matches, else its ``objective``."""
+    from dataclasses import fields
+
+    from reco_megatron.algo import PRESETS, LossConfig
+
+    defaults = {f.name: f.default for f in fields(LossConfig)}
+    for name, preset in PRESETS.items():
+        if all(loss.get(k) == preset.get(k, defaults[k]) for k in IDENTITY):
+            return name
+    return str(loss.get("objective", "rl"))

@@ -88,6 +88,10 @@ class StepProgress:
                 file=sys.stderr,
             )
 
+    def restart_clock(self) -> None:
+        """The next step's time counts from now (work before it is not a step's)."""
+        self._last = time.perf_counter()
+
     def seconds_per_step(self) -> float:
         """Mean duration of this process's steps after its first (NaN before the second;
         the first one's when it is the only one)."""

@@ -60,6 +60,11 @@ class RunReport:
         if self.writer is not None:
             self.writer.write(row)
 
+    def restart_clock(self) -> None:
+        """The next step's time counts from now (called after the SFT warm-up)."""
+        if self.writer is not None:
+            self.writer.restart_clock()
+
     def draw_curves(self) -> None:
         """``training_curves.png`` from ``metrics.jsonl`` (rank 0, once the run ended)."""
         if self.writer is not None and (self.out / "metrics.jsonl").exists():

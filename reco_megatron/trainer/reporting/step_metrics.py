@@ -21,7 +21,8 @@ def rollout_counters(
     """This DP rank's rollout counters, as sums (``*_sum``) and counts, so that summing them
     over DP ranks and dividing gives the global means. ``rewards``: ``[n_groups * g]``."""
     responses = [c.token_ids for group in completions for c in group]
-    correct = (rewards >= 1.0).view(-1, g).sum(dim=1).tolist()
+    grouped = rewards.view(-1, g)
+    correct = (grouped >= 1.0).sum(dim=1).tolist()
     out: dict[str, float] = {
         "reward_sum": float(rewards.sum()),
         "reward_nonzero_sum": float((rewards != 0).sum()),
@@ -31,6 +32,8 @@ def rollout_counters(
             sum(c.finish_reason == "length" for grp in completions for c in grp)
         ),
         "num_groups": float(len(correct)),
+        # groups whose G rewards are all equal: their advantages are 0 (algo.group_advantages)
+        "zero_adv_groups": float((grouped.amax(dim=1) == grouped.amin(dim=1)).sum()),
     }
     k = 1
     while k <= g:
@@ -137,7 +140,9 @@ def global_row(
     row.update(combine_updates(last))
     row["logprob_mismatch"] = prep.get("logprob_mismatch", float("nan"))
     row.update(moe_columns(prep, last))
-    row["zero_adv_frac"] = float(adv_metrics.get("zero_adv_frac/mean", float("nan")))
+    # over every DP rank's groups (the advantage metrics are this rank's): the same on every
+    # rank, so the no-signal guard decides alike everywhere
+    row["zero_adv_frac"] = s["zero_adv_groups"] / groups
     row.update(step_batching_metrics(prep, last))  # pad_frac, micro-batches, DP balance
     for key, value in reward_metrics.items():
         # failures of the reward function: reward_health's reward_fail_* (global counts)

@@ -5,6 +5,7 @@ text, from the run directory and the phase times of this process."""
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -103,11 +104,26 @@ def summary_lines(
     if ckpts:
         outputs.append(f"checkpoints/{ckpts[-1].name} (latest)")
     lines.append(f"  outputs      {out}/: {', '.join(outputs)}")
-    lines.append(f"  next         reco-eval {out}                  # pass@k on the held-out set")
-    lines.append(f"               reco-export {out}/checkpoints hf/{out.name}   # Hugging Face")
+    evaluate, export = command("reco-eval"), command("reco-export")
+    lines.append(f"  next         {evaluate} {out}                  # pass@k on the held-out set")
+    lines.append(f"               {export} {out}/checkpoints hf/{out.name}   # Hugging Face")
     base = out / "checkpoints" / "step_00000000"
     if base.is_dir():
         lines.append(
-            f"               reco-eval base={base} trained={out}   # start vs trained, one plot"
+            f"               {evaluate} base={base} trained={out} --out {out}/reco-eval-vs-base"
+            "   # start vs trained, one plot"
         )
     return lines
+
+
+def command(script: str) -> str:
+    """How to call the console ``script`` with this run's environment: the script beside the
+    interpreter that runs now (``.venv/bin/reco-eval``, relative to the working directory when
+    under it), or the bare name when that interpreter has none (a plain PATH install)."""
+    path = Path(sys.executable).parent / script
+    if not path.is_file():
+        return script
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
