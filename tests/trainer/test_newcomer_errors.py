@@ -102,10 +102,24 @@ def test_a_prompt_file_over_the_limit_names_the_count_and_the_longest(
     assert "data.dataset.on_bad_row=skip" in line
 
 
-def test_the_examples_placeholders_are_one_line(tmp_path, capsys, monkeypatch) -> None:
-    monkeypatch.chdir(ROOT)
-    monkeypatch.setenv("WORLD_SIZE", "8")  # the layout fits: only the placeholders are wrong
-    line = _refused(tmp_path, capsys, ["examples/llama3.1-8b-instruct.yaml"])
+@pytest.mark.dist
+def test_the_examples_placeholders_are_one_line(tmp_path) -> None:
+    """A fresh interpreter (in-process, an earlier test's one-rank process group would make
+    the 8-rank layout the second problem): with a world that fits the example's layout, the
+    placeholders are the only problem, in one line."""
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [
+            *(sys.executable, "-m", "reco_megatron.train"),
+            *("examples/llama3.1-8b-instruct.yaml", f"trainer.output_dir={out}"),
+        ],
+        cwd=ROOT,
+        env={**_env(), "WORLD_SIZE": "8"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    line = _one_line(proc.returncode, proc.stderr, out)
     for key in ("data.train_path", "data.tokenizer", "checkpoint.init_hf"):
         assert f"{key}='/path/to/" in line, line
     assert "still the example's placeholder" in line
