@@ -95,16 +95,23 @@ def sleeps_on_sleep(response: str, gold: str) -> float:
     return exact(response, gold)
 
 
+def _a_check(response: str, gold: str) -> bool:
+    """The pool's start-up check ``("", "")`` or the pre-flight's trial call, which scores a
+    real prompt's gold answer as its own response (a tiny test model never writes one)."""
+    return response == gold
+
+
 def nan_after_self_check(response: str, gold: str) -> float:
-    """0.0 for the pool's start-up check ``("", "")``, NaN for every real item (a reward that
-    passes the check and later breaks)."""
-    return 0.0 if (response, gold) == ("", "") else float("nan")
+    """0.0 for the start-up checks (:func:`_a_check`), NaN for every item of the run (a reward
+    that passes the checks and later breaks)."""
+    return 0.0 if _a_check(response, gold) else float("nan")
 
 
 def fails_on_some_targets(response: str, gold: str) -> object:
     """Countdown golds ``target=T numbers=...``: raises when T % 3 == 0, returns None when
-    T % 3 == 1, else 0.0 (about two thirds of the items fail, in two kinds)."""
-    if (response, gold) == ("", ""):
+    T % 3 == 1, else 0.0 (about two thirds of the items fail, in two kinds); 0.0 for the
+    start-up checks (:func:`_a_check`)."""
+    if _a_check(response, gold):
         return 0.0
     target = int(gold.split()[0].removeprefix("target="))
     if target % 3 == 0:
@@ -115,8 +122,8 @@ def fails_on_some_targets(response: str, gold: str) -> object:
 def alive_then_dead(response: str, gold: str) -> float:
     """1.0 for the first ``$RECO_TEST_ALIVE_ITEMS`` real items scored (counted across worker
     processes in the file ``$RECO_TEST_COUNTER``, one byte appended per item), 0.0 after:
-    a run that learns, then dies."""
-    if (response, gold) == ("", ""):
+    a run that learns, then dies. The start-up checks (:func:`_a_check`) are not counted."""
+    if _a_check(response, gold):
         return 0.0
     fd = os.open(os.environ["RECO_TEST_COUNTER"], os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     try:
