@@ -343,6 +343,7 @@ def test_every_documented_preview_works_as_written(tmp_path: Path) -> None:
         assert "layout: TP=" in res.stderr, (command, res.stderr)
         assert f"{root}/.venv/bin/python -m torch.distributed.run" in res.stdout, command
     assert refused, "no documented preview shows the placeholders' refusal any more"
+    assert not (root / "runs").exists()  # a preview creates no output directory
 
 
 def test_no_environment_is_told_apart_from_a_bad_layout(tmp_path: Path) -> None:
