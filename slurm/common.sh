@@ -1,6 +1,7 @@
 # shellcheck shell=bash
 # Shared by the reco-megatron Slurm scripts (sourced, not run). No training logic: it resolves
-# the allocation, checks the layout with `python -m reco_megatron.launch_check`, then starts one
+# the allocation, checks the layout and the config's files with `python -m
+# reco_megatron.launch_check` (the trainer's pre-flight, without the world), then starts one
 # `torchrun` per node with `srun` (optionally inside a pyxis/enroot container) and forwards
 # preemption signals to it. Every knob is an environment variable with a default:
 #
