@@ -89,7 +89,7 @@ class SeparateRollout:
             cfg, plan, policy.role(), policy, self.pool, spec, expected, run_id
         )
         if self.pool is not None:
-            self.pool.wait_ready()
+            self.pool.wait_ready(plan.digest())
 
     # ------------------------------------------------------------------ the protocol
     def start(self, step: int) -> None:
@@ -160,6 +160,8 @@ class SeparateRollout:
     def close(self) -> None:
         if self.pool is not None:
             self.pool.close()
+            for path in self.pusher.store_files:
+                path.unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ internals
     def _push(self, version: int) -> float:
