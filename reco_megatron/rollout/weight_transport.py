@@ -266,15 +266,16 @@ def receive_push(
         group.recv([header], sender, 0).wait()
         got_version, count, *words = (int(x) for x in header.tolist())
         want = len(plan.buckets_of(sender))
-        if got_version != version or count != want:
+        if got_version != version:
             raise PushMismatch(
-                f"weight push from sender {sender}: header says version {got_version} with "
-                f"{count} buckets, the control message announced version {version} with {want}"
+                f"weight push from sender {sender}: header says version {got_version}, the "
+                f"control message announced version {version}"
             )
-        if words != _digest_words(plan.digest(sender)):
+        if count != want or words != _digest_words(plan.digest(sender)):
             raise PushMismatch(
-                f"weight push from sender {sender}: its bucket sizes, tensor names, shapes or "
-                "dtypes differ from the plan agreed at setup; nothing of it was loaded"
+                f"weight push from sender {sender}: its {count} bucket(s) (sizes, tensor "
+                f"names, shapes or dtypes) differ from the plan agreed at setup ({want} "
+                "bucket(s)); nothing of it was loaded"
             )
         for bucket in plan.buckets_of(sender):
             specs = [plan.tensors[i] for i in bucket]

@@ -207,7 +207,9 @@ def _fields(v: Any, f: str, spec: dict[str, Check]) -> dict[str, Any]:
         raise WireError(f"{f} must be a map, got {type(v).__name__}")
     if set(v) != set(spec):
         missing, extra = sorted(set(spec) - set(v)), sorted(set(v) - set(spec), key=str)
-        raise WireError(f"{f}: missing fields {missing}, unexpected fields {extra}")
+        parts = [f"missing fields {missing}"] * bool(missing)
+        parts += [f"unexpected fields {extra}"] * bool(extra)
+        raise WireError(f"{f}: {', '.join(parts)}")
     return {name: check(v[name], f"{f}.{name}") for name, check in spec.items()}
 
 

@@ -197,7 +197,9 @@ class Worker:
             request = self.requests.get()
             if request is None:
                 if self.fatal:
+                    logger.error("rollout worker %d: %s; exiting", self.id, self.fatal)
                     self.link.send({"kind": "error", "request": None, "message": self.fatal})
+                    time.sleep(0.5)  # let the message leave before the process does
                 return
             idle = time.monotonic() - self.idle_since
             try:
