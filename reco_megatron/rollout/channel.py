@@ -89,6 +89,8 @@ class Pump:
         self._push.connect(wake)
         self._lock = threading.Lock()
         self._closed = False
+        self.last_fd = -1
+        """The file descriptor of the connection the frames being handled came by."""
         self._thread = threading.Thread(target=self._run, name=f"zmq-{name}", daemon=True)
         self._thread.start()
 
@@ -142,13 +144,16 @@ class Pump:
             except zmq.ZMQError as exc:  # an unknown peer (ROUTER_MANDATORY) or a full queue
                 self.on_send_error(frames, exc)
 
-    @staticmethod
-    def _drain(sock: zmq.Socket, handle: Callable[[list[bytes]], None]) -> None:
+    def _drain(self, sock: zmq.Socket, handle: Callable[[list[bytes]], None]) -> None:
         for _ in range(1000):  # then poll again: the outbox must not starve
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            frames = [p.bytes for p in parts]
+            if sock is self.sock:
+                # the connection it came by (monitor events name connections the same way)
+                self.last_fd = parts[-1].get(zmq.SRCFD)
             try:
                 handle(frames)
             except Exception as exc:  # the I/O thread survives whatever a peer sends

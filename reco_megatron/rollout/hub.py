@@ -8,7 +8,8 @@ here whether the client proves the workers' key; a connection without it never d
 frame (it is logged in one rate-limited line), and every frame after the handshake is
 authenticated and encrypted. Frames over :data:`~.wire.MAX_FRAME_BYTES` are dropped by
 libzmq before allocation; frames that fail the schema (:mod:`.wire`) are logged and dropped.
-Nothing a peer sends stops the I/O thread.
+Nothing a peer sends stops the I/O thread. A worker whose connection closes is reported
+``gone`` at once (the monitor's disconnect event names the connection's descriptor).
 
 Admission: an authenticated peer's first frame must be a ``hello`` of this run with a worker
 id the run expects that no other connection holds, while the hub still admits; anything else
@@ -35,8 +36,9 @@ from reco_megatron.rollout.wire import MAX_FRAME_BYTES, WireError, decode, encod
 from reco_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)
-_FAILED_HANDSHAKE = (
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+_EVENTS = (
+    zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
@@ -96,6 +98,7 @@ class Hub:
         self.on_beat = on_beat
         self.admitting = True
         self.links: dict[bytes, HubLink] = {}
+        self._by_fd: dict[int, HubLink] = {}  # the admitted workers' connections
         self.hellos: queue.Queue[tuple[HubLink, dict[str, Any]]] = queue.Queue()
         self._refusals = RateLimitedLog(logger.warning)
         self._lock = threading.Lock()
@@ -116,7 +119,7 @@ class Hub:
         sock.bind(f"tcp://{host}:0")
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         port = int(self.endpoint.rsplit(":", 1)[1])
-        monitor = sock.get_monitor_socket(_FAILED_HANDSHAKE)
+        monitor = sock.get_monitor_socket(_EVENTS)
         self.address = Address(
             advertise_host,
             port,
@@ -159,11 +162,11 @@ class Hub:
             self._refuse(ident, f"the first message must be a hello, got {msg['kind']!r}")
             return
         wid = msg["worker"]
-        held = {link.tag: link for link in self.links.values() if not link.closed}
+        held = {link.tag for link in self.links.values()}  # once admitted, never again
         if msg["run_id"] != self.run_id:
             why = f"it belongs to run {msg['run_id']!r}, this trainer runs {self.run_id!r}"
         elif wid in held:
-            why = f"duplicate worker id {wid}: worker {wid} is already connected"
+            why = f"duplicate worker id {wid}: a worker {wid} was admitted already"
         elif not self.admitting:
             why = f"late worker id {wid}: the run admitted its workers and started without it"
         elif wid not in self.expected:
@@ -171,6 +174,7 @@ class Hub:
         else:
             link = HubLink(self, ident, wid, lambda m, w=wid: self.on_beat(w, m))
             self.links[ident] = link
+            self._by_fd[self.pump.last_fd] = link
             self.pump.send([ident, encode({"kind": "welcome"})])
             self.hellos.put((link, msg))
             return
@@ -189,6 +193,12 @@ class Hub:
             self.events.put({"kind": "gone", "why": link.closed, "_from": link.tag})
 
     def _on_event(self, event: dict) -> None:
+        if event.get("event") == zmq.EVENT_DISCONNECTED:  # "value" is the connection's fd
+            link = self._by_fd.pop(int(event.get("value", -1)), None)
+            if link is not None and not link.closed:
+                link.closed = "its connection closed"
+                self.events.put({"kind": "gone", "why": link.closed, "_from": link.tag})
+            return
         what = {
             zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "no CURVE handshake",
             zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "not a CURVE peer",

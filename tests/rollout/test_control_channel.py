@@ -180,3 +180,9 @@ def test_every_frame_kind_round_trips_and_anything_else_is_refused() -> None:
     for frame in bad:
         with pytest.raises(WireError):
             decode(frame)
+
+
+def test_a_worker_whose_connection_closes_is_reported_gone(hub: Hub) -> None:
+    _admitted(hub, 0)  # the worker process exits after its welcome
+    gone = hub.events.get(timeout=30)
+    assert gone["kind"] == "gone" and gone["_from"] == 0, gone
