@@ -59,6 +59,7 @@ MALFORMED = [
 
 @pytest.mark.parametrize(("content", "needle"), [m[1:] for m in MALFORMED],
                          ids=[m[0] for m in MALFORMED])  # fmt: skip
+@pytest.mark.dist
 def test_a_malformed_address_file_is_refused_in_one_line(
     tmp_path: Path, content: object, needle: str
 ) -> None:
@@ -71,6 +72,7 @@ def test_a_malformed_address_file_is_refused_in_one_line(
     assert done.returncode == 2 and needle in line and str(path) in line, line
 
 
+@pytest.mark.dist
 def test_a_planted_symlinked_or_open_address_file_is_refused(tmp_path: Path) -> None:
     d = _dir(tmp_path)
     path = d / ADDRESS_FILE
@@ -118,6 +120,7 @@ def test_the_writer_never_follows_a_planted_link_and_writes_0600(tmp_path: Path)
         Address.read(d / ADDRESS_FILE)
 
 
+@pytest.mark.dist
 def test_a_silent_port_behind_a_stale_address_file_ends_the_wait_in_one_line(
     tmp_path: Path,
 ) -> None:

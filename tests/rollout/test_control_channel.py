@@ -87,6 +87,7 @@ def _keyed_dealer(hub: Hub) -> tuple[zmq.Context, zmq.Socket]:
     return ctx, s
 
 
+@pytest.mark.dist
 def test_keyless_connect_and_close_and_idle_connections_leave_the_hub_admitting(
     hub: Hub, caplog
 ) -> None:
@@ -101,6 +102,7 @@ def test_keyless_connect_and_close_and_idle_connections_leave_the_hub_admitting(
         idle.close()
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("keyed", [False, True], ids=["without_key", "with_key"])
 def test_a_code_execution_payload_runs_nothing(hub: Hub, tmp_path: Path, keyed: bool) -> None:
     marker = tmp_path / "pwned"
@@ -126,6 +128,7 @@ def test_a_code_execution_payload_runs_nothing(hub: Hub, tmp_path: Path, keyed: 
     assert not marker.exists()
 
 
+@pytest.mark.dist
 def test_a_2_62_byte_header_and_an_oversized_frame_are_dropped_before_allocation(
     hub: Hub,
 ) -> None:
@@ -142,6 +145,7 @@ def test_a_2_62_byte_header_and_an_oversized_frame_are_dropped_before_allocation
     _admitted(hub, 0)
 
 
+@pytest.mark.dist
 def test_duplicate_and_late_worker_ids_are_refused_with_the_reason(hub: Hub, caplog) -> None:
     _admitted(hub, 0)
     dup = _worker(hub, 0)
@@ -155,6 +159,7 @@ def test_duplicate_and_late_worker_ids_are_refused_with_the_reason(hub: Hub, cap
     assert len(lines) == 3, lines  # one line each
 
 
+@pytest.mark.dist
 def test_the_hub_binds_loopback_only(hub: Hub) -> None:
     assert hub.endpoint.startswith("tcp://127.0.0.1:")
     psutil = pytest.importorskip("psutil")
@@ -182,6 +187,7 @@ def test_every_frame_kind_round_trips_and_anything_else_is_refused() -> None:
             decode(frame)
 
 
+@pytest.mark.dist
 def test_a_worker_whose_connection_closes_is_reported_gone(hub: Hub) -> None:
     _admitted(hub, 0)  # the worker process exits after its welcome
     gone = hub.events.get(timeout=30)
