@@ -20,10 +20,12 @@ from pathlib import Path
 
 import msgpack
 import pytest
+import torch
 import zmq
 
 from reco_megatron.rollout.address import ADDRESS_FILE, private_dir
 from reco_megatron.rollout.hub import Hub
+from reco_megatron.rollout.requests import Completion, SamplingParams
 from reco_megatron.rollout.wire import WireError, decode, encode
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -173,6 +175,18 @@ def test_the_hub_binds_loopback_only(hub: Hub) -> None:
 def test_every_frame_kind_round_trips_and_anything_else_is_refused() -> None:
     ok = {"kind": "error", "request": None, "message": "boom"}
     assert decode(encode(ok)) == ok
+    sampling = SamplingParams(temperature=0.7, top_p=0.9, seed=3, stop_token_ids=(5, 6))
+    gen = {"kind": "generate", "id": 1, "prompts": [[1, 2]], "n": 2, "min_version": 0,
+           "sampling": [sampling]}  # fmt: skip
+    assert decode(encode(gen)) == gen
+    routed = torch.tensor([[[1, -1]], [[0, 3]]], dtype=torch.int16)  # [P + T, layers, top-k]
+    done = Completion(prompt_index=0, sample_index=1, token_ids=[7], logprobs=[-0.1 / 3],
+                      finish_reason="stop", routed_experts=routed)  # fmt: skip
+    result = {"kind": "result", "request": 1, "version": 2, "generate_s": 0.5, "idle_s": 0.0,
+              "completions": [[done]]}  # fmt: skip
+    back = decode(encode(result))["completions"][0][0]
+    assert back.logprobs == done.logprobs and back.token_ids == done.token_ids  # bit for bit
+    assert torch.equal(back.routed_experts, routed) and back.routed_experts.dtype == torch.int16
     bad = [
         pickle.dumps({"kind": "ping"}),
         msgpack.packb([1, 2]),
