@@ -15,9 +15,11 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import shutil
 import socket
 import struct
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -71,7 +73,10 @@ def _write_as_another_user(path: Path) -> str:
 def test_a_port_scan_an_idle_connection_and_a_pickle_during_start_up_change_nothing(
     tmp_path: Path,
 ) -> None:
-    out, marker = tmp_path / "run", tmp_path / "pwned"
+    # a directory other users can enter (pytest's own is 0700): only the run's modes protect
+    base = Path(tempfile.mkdtemp(prefix="reco-attack-"))
+    base.chmod(0o755)
+    out, marker = base / "run", tmp_path / "pwned"
     cmd = _cmd(out, "trainer.max_steps=3", *SEPARATE, "rollout.max_staleness=0")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
@@ -99,8 +104,10 @@ def test_a_port_scan_an_idle_connection_and_a_pickle_during_start_up_change_noth
             idle.close()
         if proc.poll() is None:
             proc.kill()
+        metrics = (out / "metrics.jsonl").read_text() if (out / "metrics.jsonl").exists() else ""
+        shutil.rmtree(base, ignore_errors=True)
     assert proc.returncode == 0, err[-3000:]
-    assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
+    assert len(metrics.splitlines()) == 3
     assert not marker.exists()
     assert seen and not {"0.0.0.0", "::"} & set(seen), seen
     assert "refused a connection" in err  # logged, rate-limited
