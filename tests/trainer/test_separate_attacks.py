@@ -7,7 +7,8 @@ on loopback, the attacker this test.
   another user cannot write into the weight group's rendezvous store.
 * A trainer that pushes buckets of another size than the plan it agreed with its worker
   (``_bad_push/sitecustomize.py``): the worker refuses the push before it reads a bucket and
-  the run stops resumably (exit 75, a checkpoint, one line naming the worker).
+  the run stops resumably (exit 75, a checkpoint, one line naming the worker); one whose
+  stream names a tensor the plan does not stops the same way before sending it.
 """
 
 from __future__ import annotations
@@ -114,17 +115,26 @@ def test_a_port_scan_an_idle_connection_and_a_pickle_during_start_up_change_noth
     assert stores and set(stores) == {"refused"}, stores  # the weight group's rendezvous
 
 
-def test_buckets_of_another_size_than_agreed_stop_the_run_resumably(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("how", "needle"),
+    [
+        ("buckets", "differ from the plan agreed at setup"),
+        ("name", "where the plan has"),
+    ],
+)
+def test_a_push_that_disagrees_with_the_plan_stops_the_run_resumably(
+    tmp_path: Path, how: str, needle: str
+) -> None:
     out = tmp_path / "run"
     env = {**ENV, "PYTHONPATH": f"{ROOT / 'tests/trainer/_bad_push'}:{ROOT}",
-           "RECO_TEST_BAD_PUSH": "2"}  # fmt: skip
+           "RECO_TEST_BAD_PUSH": f"2:{how}"}  # fmt: skip
     cmd = _cmd(out, "trainer.max_steps=4", *SEPARATE, "rollout.max_staleness=0",
                "rollout.worker_timeout_s=30")  # fmt: skip
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 75, done.stderr[-3000:]
     assert sorted((out / "checkpoints").glob("step_*")), "stopped with a checkpoint"
-    stops = [ln for ln in done.stderr.splitlines() if "reco-train: rollout worker 0" in ln]
+    stops = [ln for ln in done.stderr.splitlines() if "reco-train: " in ln and "stopping" in ln]
     assert len(stops) == 1, done.stderr[-3000:]
-    log = (out / "rollout" / "worker-0.log").read_text()
-    assert "differ from the plan agreed at setup" in log, log[-3000:]
+    said = stops[0] + (out / "rollout" / "worker-0.log").read_text()
+    assert needle in said, said[-3000:]
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
