@@ -170,7 +170,9 @@ class SeparateRollout:
         if self.book is not None:
             self.book.version = version
             for wid in lost:
-                self.book.lose(wid, f"failed to receive the weights of step {version}")
+                said = self.pool.last_word(wid) if self.pool is not None else None
+                why = f"failed to receive the weights of step {version}"
+                self.book.lose(wid, f"{why} (it said: {said})" if said else why)
         return seconds
 
     def _dispatch_ahead(self, version: int) -> None:

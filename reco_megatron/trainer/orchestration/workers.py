@@ -215,6 +215,26 @@ class WorkerPool:
                 self.workers[wid].version = msg["version"]
             return wid, msg
 
+    def last_word(self, wid: int, within: float = 2.0) -> str | None:
+        """The error worker ``wid`` sent as it left, when it comes within ``within`` s (a
+        worker that refuses a push says why just after the push failed); other events keep
+        their order."""
+        deadline = time.monotonic() + within
+        kept: list[dict[str, Any]] = []
+        found = None
+        while found is None and time.monotonic() < deadline:
+            try:
+                msg = self.events.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if msg.get("_from") == wid and msg["kind"] in ("error", "hung"):
+                found = msg.get("message") or msg.get("why")
+            else:
+                kept.append(msg)
+        with self.events.mutex:
+            self.events.queue.extendleft(reversed(kept))
+        return found
+
     def _check_spawned_alive(self, starting: bool = False) -> None:
         for wid, proc in self._processes.items():
             code = proc.poll()
