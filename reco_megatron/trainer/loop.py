@@ -27,6 +27,7 @@ from reco_megatron.trainer import setup
 from reco_megatron.trainer.config import TrainConfig
 from reco_megatron.trainer.lifecycle import EXIT_RESUMABLE, RunLife, StopSignals
 from reco_megatron.trainer.orchestration import (
+    PushMismatch,
     RolloutSource,
     StepScorer,
     WorkerLost,
@@ -196,7 +197,7 @@ class Trainer:
             while self.step < max_steps:
                 try:
                     row = self.train_step()
-                except WorkerLost as exc:  # every rank raises it at the same step
+                except (WorkerLost, PushMismatch) as exc:  # every rank, at the same step
                     logger.error("reco-train: %s; stopping resumably at step %d", exc, self.step)
                     if self.life.unsaved_progress:
                         self.save()

@@ -8,6 +8,7 @@ most ``max_staleness`` steps old (docs/rollout.md, "Separate placement").
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -88,6 +89,12 @@ class RolloutConfig:
     """A dead worker: ``stop`` saves a checkpoint and exits 75 (resumable) naming it;
     ``continue`` hands its groups to the others and trains on (the run stops when none is
     left)."""
+    bind_address: str = "auto"
+    """``placement=separate``: the address (an IP of this node) the trainer's control port
+    listens on. ``auto``: loopback when the trainer spawns every worker
+    (``worker_launch=spawn``), this node's address (its hostname's) for external workers on
+    other nodes; never every interface (``0.0.0.0`` only when named here). Only processes
+    holding the run's keys (``rollout/address.json``) get in either way."""
     weight_bucket_mb: int = 256
     """Weight push to the workers: tensors travel in flat buckets of about this many MiB."""
 
@@ -135,6 +142,14 @@ class RolloutConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"rollout.{name} must be a positive integer, got {value!r}")
         self._check_placement()
+        if self.bind_address != "auto":
+            try:
+                ipaddress.ip_address(self.bind_address)
+            except ValueError:
+                raise ValueError(
+                    f"rollout.bind_address must be 'auto' or an IP address of this node, got "
+                    f"{self.bind_address!r} (e.g. 10.0.0.12, 127.0.0.1)"
+                ) from None
 
     @property
     def staleness_bound(self) -> int:

@@ -8,6 +8,7 @@ and the responses turned into the batch the engine trains on. The rest of the tr
 the names below, never a module of this folder.
 """
 
+from reco_megatron.rollout.weight_transport import PushMismatch
 from reco_megatron.trainer.orchestration.agreement import (
     agree_on_completions,
     completions_fingerprint,
@@ -31,6 +32,7 @@ from reco_megatron.trainer.orchestration.workers import WorkerLost
 
 __all__ = [
     "PromptSource",
+    "PushMismatch",
     "RolloutClient",
     "RolloutSource",
     "StepPrompts",
