@@ -136,6 +136,7 @@ class Trainer:
             g,
             self.tokenizer.pad_id,
             routed_experts=[c.routed_experts for c in completions],
+            loss_masks=[c.loss_mask for c in completions],
         )
         self.rollout.before_update()
         prepared, prep = self.engine.prepare(batch)
