@@ -44,7 +44,10 @@ def _batch(masks, cfg: LossConfig, logits: torch.Tensor | None = None):
     adv = torch.randn(2 * G, generator=g, dtype=F64)
     lps = [(-torch.rand(len(t), generator=g, dtype=F64)).tolist() for t in tokens]
     if masks is not None:  # what an episode reports: log-prob 0 on observations
-        lps = [[lp if m else 0.0 for lp, m in zip(row, mk)] for row, mk in zip(lps, masks)]
+        lps = [
+            [lp if m else 0.0 for lp, m in zip(row, mk, strict=True)]
+            for row, mk in zip(lps, masks, strict=True)
+        ]
     batch = build_rollout_batch(prompts, tokens, lps, adv, G, pad_id=0, loss_masks=masks)
     b, s = batch.labels.shape
     if logits is None:

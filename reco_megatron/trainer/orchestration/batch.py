@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from reco_megatron.parallel.batch import RolloutBatch
+from reco_megatron.rollout.requests import Completion
 
 
 def build_rollout_batch(
@@ -85,6 +86,27 @@ def build_rollout_batch(
         group_size=group_size,
         rollout_logprobs=logprobs,
         routed_experts=_routed(routed_experts, rows, seq),
+    )
+
+
+def completions_batch(
+    prompts: Sequence[Sequence[int]],
+    completions: Sequence[Completion],
+    advantages: torch.Tensor,
+    group_size: int,
+    pad_id: int,
+) -> RolloutBatch:
+    """:func:`build_rollout_batch` of ``completions`` (group-major, ``G`` per prompt): their
+    tokens, log-probs, routed experts and loss masks."""
+    return build_rollout_batch(
+        prompts,
+        [c.token_ids for c in completions],
+        [c.logprobs for c in completions],
+        advantages,
+        group_size,
+        pad_id,
+        routed_experts=[c.routed_experts for c in completions],
+        loss_masks=[c.loss_mask for c in completions],
     )
 
 

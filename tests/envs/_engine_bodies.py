@@ -1,0 +1,39 @@
+"""Bodies of the engine tests that run inside ``run_distributed`` ranks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from reco_megatron.envs import EnvPool, run_episodes
+from reco_megatron.rollout.requests import SamplingParams
+from tests.megatron._rollout import PROMPTS, _embedded_twin, rollout_engine
+
+
+def episodes_versus_embedded_body(rank: int, world: int, tp: int) -> Any:
+    """The same episodes (Echo: three turns, observations of 4 tokens) on the megatron engine
+    and on the embedded engine holding its weights, with the same seeds: (tokens equal,
+    masks equal, max |log-prob gap| over action tokens, action tokens)."""
+    from tests.megatron._reco import build_engine
+
+    engine = build_engine(tp=tp, micro_batch_size=2)
+    mine = rollout_engine(engine, max_batch_size=4)
+    twin = _embedded_twin(engine)
+    rows = [{"prompt": "", "answer": "", "prompt_ids": p} for p in PROMPTS]
+    params = [
+        SamplingParams(temperature=1.0, max_new_tokens=24, seed=50 + i) for i in range(len(rows))
+    ]
+    out = []
+    with EnvPool("tests.envs._envs:Echo", num_workers=2, step_timeout_s=60) as pool:
+        for k, eng in enumerate((mine, twin)):
+            got = run_episodes(eng.generate, pool, rows, 3, params, max_turns=4, first_id=1000 * k)
+            out.append([c for g in got.completions for c in g])
+    a, b = out
+    same = all(x.token_ids == y.token_ids for x, y in zip(a, b, strict=True))
+    masks = all(x.loss_mask == y.loss_mask for x, y in zip(a, b, strict=True))
+    gap = max(
+        abs(p - q)
+        for x, y in zip(a, b, strict=True)
+        for p, q, m in zip(x.logprobs, y.logprobs, x.loss_mask, strict=False)
+        if m
+    )
+    return same, masks, gap, sum(sum(c.loss_mask) for c in a)
