@@ -11,9 +11,10 @@ One environment object serves one episode, that is one (prompt, sample) pair::
 Token ids travel both ways and are never decoded and encoded again by the trainer: the ids the
 sampler drew and the ids the environment returned are the ids the trainer trains on (only the
 environment itself may decode an action to read it). The episode runner
-(:mod:`reco_megatron.envs.episodes`) ends an episode when a step says ``done``, when the
-action ended with an end-of-sequence token, after ``rollout.max_turns`` actions, or when the
-episode's tokens (actions and observations) reach ``rollout.max_new_tokens``.
+(:mod:`reco_megatron.envs.episodes`) ends an episode when a step says ``done``, after
+``rollout.max_turns`` actions, or when the episode's tokens (actions and observations) reach
+``rollout.max_new_tokens``. An action that ended on an end-of-sequence token is handed to
+``step`` like any other (the environment decides whether the episode goes on).
 """
 
 from __future__ import annotations

@@ -13,11 +13,13 @@ Later turns decode each episode as its own prompt, ``prompt + tokens so far``, w
 ``hash((prompt seed, sample, turn))``: the engine re-reads (prefills) the context each turn
 (vLLM's prefix cache keeps it cheap; the embedded and megatron engines recompute it).
 
-An episode ends when its environment says ``done``, when an action ends on an end-of-sequence
-token, after ``max_turns`` actions, or when its tokens reach ``sampling.max_new_tokens`` (the
-budget of the whole episode; an observation that would leave no room for an action ends the
-episode unappended). A failed environment call (:data:`~reco_megatron.envs.pool.FAILURES`)
-ends its episode, which is then scored 0 (``EpisodeResult.failed``).
+An episode ends when its environment says ``done`` (an action that ended on an
+end-of-sequence token is still handed to ``step``: in a chat the assistant ends every turn so,
+and the environment decides), after ``max_turns`` actions, or when its tokens reach
+``sampling.max_new_tokens`` (the budget of the whole episode; an observation that would leave
+no room for an action ends the episode unappended). A failed environment call
+(:data:`~reco_megatron.envs.pool.FAILURES`) ends its episode, which is then scored 0
+(``EpisodeResult.failed``).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ class _Episode:
     failed: str = ""
     """The failure that ended it (a :data:`FAILURES` kind), or ``""``."""
     ended: str = ""
-    """Why it ended: ``done``, ``eos``, ``max_turns``, ``budget`` or a failure."""
+    """Why it ended: ``done``, ``max_turns``, ``budget`` or a failure."""
     routed: Any = None
 
 
@@ -78,20 +80,19 @@ def run_episodes(
     *,
     max_turns: int,
     turn_discount: float = 1.0,
-    eos_ids: Sequence[int] = (),
     first_id: int = 0,
 ) -> EpisodeResult:
     """``n`` episodes per row (see the module doc). ``rows[i]``: the dataset record
     ``{"prompt", "answer", "prompt_ids"}``; ``sampling[i]``: its :class:`SamplingParams`
-    (seed, budget ``max_new_tokens``, the end-of-sequence stop ids); ``eos_ids``: the tokens
-    that end an episode when an action ends on them; ``first_id``: the pool's id of the first
+    (seed, budget ``max_new_tokens``, the end-of-sequence stop ids); ``first_id``: the pool's
+    id of the first
     episode (ids must not repeat while the pool lives)."""
     episodes = [_Episode(g, j) for g in range(len(rows)) for j in range(n)]
     ids = {first_id + k: ep for k, ep in enumerate(episodes)}
     resets = pool.reset({eid: dict(rows[ep.group]) for eid, ep in ids.items()})
     prompts = _prompts(ids, resets, rows, n)
     try:
-        _turns(generate, pool, ids, prompts, sampling, n, max_turns, tuple(eos_ids))
+        _turns(generate, pool, ids, prompts, sampling, n, max_turns)
     finally:
         pool.release(list(ids))
     return _result(episodes, prompts, n, turn_discount)
@@ -118,7 +119,7 @@ def _prompts(ids: dict[int, _Episode], resets: dict[int, Outcome], rows, n: int)
     return prompts
 
 
-def _turns(generate, pool, ids, prompts, sampling, n, max_turns, eos) -> None:
+def _turns(generate, pool, ids, prompts, sampling, n, max_turns) -> None:
     live = [eid for eid, ep in ids.items() if not ep.ended]
     for turn in range(max_turns):
         if not live:
@@ -148,8 +149,8 @@ def _turns(generate, pool, ids, prompts, sampling, n, max_turns, eos) -> None:
         live = [
             eid
             for eid in live
-            if _apply(ids[eid], results[eid], eos, sampling[ids[eid].group].max_new_tokens,
-                      turn, max_turns)
+            if _apply(ids[eid], results[eid], sampling[ids[eid].group].max_new_tokens, turn,
+                      max_turns)
         ]  # fmt: skip
 
 
@@ -163,7 +164,7 @@ def _params(base: SamplingParams, ep: _Episode, turn: int) -> SamplingParams:
     return replace(base, max_new_tokens=left, stop_token_ids=stops, seed=seed)
 
 
-def _apply(ep: _Episode, out: Outcome, eos, budget: int, turn: int, max_turns: int) -> bool:
+def _apply(ep: _Episode, out: Outcome, budget: int, turn: int, max_turns: int) -> bool:
     """Take the step's result into the episode; True while it goes on."""
     if not out.ok:
         ep.failed = ep.ended = out.status
@@ -173,8 +174,6 @@ def _apply(ep: _Episode, out: Outcome, eos, budget: int, turn: int, max_turns: i
     obs = list(out.values["obs"])
     if out.values["done"]:
         ep.ended = "done"
-    elif ep.tokens and ep.tokens[-1] in eos and ep.mask[-1] == 1:
-        ep.ended = "eos"
     elif left <= 0 or ep.finish == "length":
         ep.ended, ep.finish = "budget", "length"
     elif turn + 1 >= max_turns:

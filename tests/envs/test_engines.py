@@ -62,9 +62,7 @@ def test_a_one_turn_episode_is_the_single_turn_call_token_for_token(model) -> No
 
 def test_later_turns_report_the_policys_logprobs_given_the_observations(model) -> None:
     with EnvPool("tests.envs._envs:Echo", num_workers=2) as pool:
-        got = run_episodes(
-            _engine(model).generate, pool, ROWS, N, _params(24), max_turns=4, eos_ids=(2,)
-        )
+        got = run_episodes(_engine(model).generate, pool, ROWS, N, _params(24), max_turns=4)
     checked = 0
     for g, group in enumerate(got.completions):
         for c in group:

@@ -31,7 +31,7 @@ def _run(spec: str, rows, *, n=2, budget=64, max_turns=8, discount=1.0, workers=
     with EnvPool(spec, num_workers=workers, step_timeout_s=timeout) as pool:
         result = run_episodes(
             engine.generate, pool, rows, n, _params(rows, budget),
-            max_turns=max_turns, turn_discount=discount, eos_ids=(EOS,),
+            max_turns=max_turns, turn_discount=discount,
         )  # fmt: skip
     return engine, result
 

@@ -46,7 +46,6 @@ class EpisodeDriver:
             params,
             max_turns=r.max_turns,
             turn_discount=r.turn_discount,
-            eos_ids=self.client.sampling.stop_token_ids,
             first_id=self.next_id,
         )
         self.next_id += len(rows) * n
