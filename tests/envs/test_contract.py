@@ -106,3 +106,27 @@ def test_episode_rewards_add_turn_rewards_and_zero_failed_episodes() -> None:
     single = StepRollout([0], [[1]], [[]], ["g"])
     rewards = torch.tensor([1.0, 0.0])
     assert single.episode_rewards(rewards) is rewards
+
+
+def test_the_evaluation_engine_runs_whole_episodes() -> None:
+    """``eval.interval`` with an environment: the held-out pass@k samples episodes too."""
+    from reco_megatron.config import load_config
+    from reco_megatron.rollout import SamplingParams
+    from reco_megatron.trainer.config import TrainConfig
+    from reco_megatron.trainer.orchestration import RolloutClient
+    from reco_megatron.trainer.orchestration.episodes import EpisodeDriver, EpisodeEngine
+    from tests.envs._fake_engine import ScriptedEngine
+
+    cfg = load_config(
+        TrainConfig,
+        "examples/calculator_cpu.yaml",
+        ["rollout.env=tests.envs._envs:Echo", "rollout.env_workers=1"],
+    )
+    client = RolloutClient(ScriptedEngine(), SamplingParams(max_new_tokens=32))
+    driver = EpisodeDriver(cfg, SentencePieceTokenizer(TOKENIZER), client)
+    try:
+        groups = EpisodeEngine(driver).generate([[40, 41]], 2, SamplingParams(seed=3))
+    finally:
+        driver.close()
+    assert [len(g) for g in groups] == [2]
+    assert all(c.loss_mask is not None and 0 in c.loss_mask for c in groups[0])

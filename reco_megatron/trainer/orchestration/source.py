@@ -218,6 +218,10 @@ class ColocatedRollout:
 
     @property
     def engine(self) -> RolloutEngine:
+        if self.episodes is not None:  # the evaluation runs episodes with the tool too
+            from reco_megatron.trainer.orchestration.episodes import EpisodeEngine
+
+            return EpisodeEngine(self.episodes)  # type: ignore[return-value]
         return self.client.engine
 
     def close(self) -> None:
