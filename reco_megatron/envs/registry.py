@@ -18,6 +18,7 @@ from reco_megatron.rewards.registry import RewardSpecError
 
 BUILTIN_ENVS: dict[str, str] = {
     "calculator": "reco_megatron.envs.calculator:CalculatorEnv",
+    "python": "reco_megatron.envs.python_tool:PythonEnv",
 }
 
 
