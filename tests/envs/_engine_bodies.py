@@ -59,3 +59,41 @@ def vllm_episodes_body(rank: int, world: int, model_dir: str) -> Any:
         [(got.prompts[g], c.token_ids, c.logprobs, c.loss_mask) for c in group]
         for g, group in enumerate(got.completions)
     ]
+
+
+def shared_pool_body(rank: int, world: int) -> Any:
+    """Two ranks of one model-parallel group: only rank 0 runs environments (one of which
+    raises, one hangs past the limit); both ranks drive the episodes and must agree."""
+    import torch.distributed as dist
+
+    from reco_megatron.config import load_config
+    from reco_megatron.trainer.config import TrainConfig
+    from reco_megatron.trainer.orchestration.episodes import SharedEnvPool, env_pool
+    from tests.envs._fake_engine import ScriptedEngine
+
+    cfg = load_config(
+        TrainConfig,
+        "examples/calculator_cpu.yaml",
+        [
+            "rollout.env=tests.envs._envs:Faulty",
+            "rollout.env_workers=3",
+            "rollout.env_step_timeout_s=2",
+        ],
+    )
+    from reco_megatron.data.tokenizer import SentencePieceTokenizer
+
+    pool = env_pool(cfg, SentencePieceTokenizer(cfg.data.tokenizer), dist.group.WORLD)
+    assert isinstance(pool, SharedEnvPool) and (pool.pool is not None) == (rank == 0)
+    rows = [{"prompt": "", "answer": "", "prompt_ids": [k, 30, 31]} for k in (1, 2, 9)]
+    params = [SamplingParams(max_new_tokens=32, seed=5 + i) for i in range(3)]
+    engine = ScriptedEngine()
+    try:
+        got = run_episodes(engine.generate, pool, rows, 1, params, max_turns=4)  # type: ignore[arg-type]
+    finally:
+        pool.close()
+    return (
+        [[(c.token_ids, c.loss_mask) for c in g] for g in got.completions],
+        got.failed,
+        got.metrics,
+        len(engine.calls),
+    )

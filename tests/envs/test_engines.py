@@ -89,3 +89,16 @@ def test_the_megatron_and_embedded_engines_give_the_same_episodes() -> None:
     )
     assert same and masks and tokens > 0
     assert gap < 1e-5
+
+
+@pytest.mark.dist
+def test_a_model_parallel_group_shares_one_pool_and_agrees() -> None:
+    """Environments run on the group's first rank only; every rank drives the same episodes
+    and makes the same engine calls, failures and timeouts included (no rank waits alone)."""
+    from reco_megatron.testing import run_distributed
+    from tests.envs._engine_bodies import shared_pool_body
+
+    first, second = run_distributed(shared_pool_body, 2, timeout=240)
+    assert first == second
+    assert first[1] == [[True], [True], [False]]  # the raising and the hanging environment
+    assert first[2]["env_timeout_sum"] == 1 and first[2]["env_error_sum"] == 1

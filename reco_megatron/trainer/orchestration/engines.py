@@ -208,7 +208,7 @@ def build_rollout_source(
         if cfg.rollout.env:
             from reco_megatron.trainer.orchestration.episodes import EpisodeDriver
 
-            episodes = EpisodeDriver(cfg, tokenizer, client)
+            episodes = EpisodeDriver(cfg, tokenizer, client, layout.mp_group)
         return ColocatedRollout(cfg, client, sync, prompts, layout, episodes)
     from reco_megatron.trainer.orchestration.separate import SeparateRollout
 
