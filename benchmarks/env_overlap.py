@@ -2,12 +2,14 @@
 
 Multi-turn episodes (``reco_megatron.envs``) whose tool sleeps a lognormal time
 (``benchmarks/_sleepy_env.py``: median 50 ms, sigma 1, three calls per episode). The engine is
-a stand-in that answers every turn at once with six tokens ending on a stop token, so what is
-measured is the environment side alone: the episode runner and the isolated workers. Two
-arms, alternating over ``--reps``: ``rollout.env_workers=1`` (every tool call waits for the
-one before) and ``--workers`` workers (the calls of a turn overlap). Both arms draw the same
-sleeps (seeded by the prompt). Reported: median episodes per second of each arm and their
-ratio, and each rep's seconds; nothing asserts on time.
+a stand-in that answers each call with six tokens ending on a stop token after
+``--decode-ms`` (20 ms: a decoding call's time), so what is measured is the episode runner and
+the isolated workers. Three arms, alternating over ``--reps``: ``rollout.env_workers=1``
+(every tool call waits for the one before), ``--workers`` workers turn by turn (the calls of
+a turn overlap, the next turn waits for the slowest), and ``--workers`` workers overlapped
+(an episode acts again as soon as its own call is back; the default). All arms draw the same
+sleeps (seeded by the prompt). Reported: median episodes per second of each arm, the
+speed-ups, and each rep's seconds; nothing asserts on time.
 
 Run::
 
@@ -29,8 +31,12 @@ SPEC = f"{Path(__file__).with_name('_sleepy_env.py')}:SleepyTool"
 STOP = 9
 
 
+DECODE_S = [0.02]
+
+
 def instant_engine(prompts, n, params):
-    """Six tokens per action, the last a stop token: no model, no wait."""
+    """Six tokens per action, the last a stop token, after ``DECODE_S`` seconds per call."""
+    time.sleep(DECODE_S[0])
     return [
         [
             Completion(
@@ -52,7 +58,9 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--decode-ms", type=float, default=20.0)
     args = ap.parse_args()
+    DECODE_S[0] = args.decode_ms / 1000
     rows = [
         {"prompt": "", "answer": str(i), "prompt_ids": [3 + i % 100, 17, 5]}
         for i in range(args.prompts)
@@ -61,16 +69,19 @@ def main() -> None:
         SamplingParams(max_new_tokens=64, seed=i, stop_token_ids=(STOP,)) for i in range(len(rows))
     ]
     pools = {w: EnvPool(SPEC, num_workers=w, step_timeout_s=60) for w in (1, args.workers)}
-    times: dict[int, list[float]] = {w: [] for w in pools}
+    arms = {"1 worker": (1, False), f"{args.workers} turn by turn": (args.workers, False)}
+    arms[f"{args.workers} overlapped"] = (args.workers, True)
+    times: dict[str, list[float]] = {a: [] for a in arms}
     first = 0
     try:
         for _ in range(args.reps):
-            for w, pool in pools.items():
+            for arm, (w, overlap) in arms.items():
                 start = time.perf_counter()
                 got = run_episodes(
-                    instant_engine, pool, rows, args.group, params, max_turns=3, first_id=first
-                )
-                times[w].append(time.perf_counter() - start)
+                    instant_engine, pools[w], rows, args.group, params,
+                    max_turns=3, first_id=first, overlap=overlap,
+                )  # fmt: skip
+                times[arm].append(time.perf_counter() - start)
                 first += args.prompts * args.group
                 assert got.metrics["env_failed_sum"] == 0
                 assert got.metrics["env_turns_sum"] == 3 * args.prompts * args.group
@@ -78,12 +89,18 @@ def main() -> None:
         for pool in pools.values():
             pool.close()
     episodes = args.prompts * args.group
-    rate = {w: episodes / statistics.median(t) for w, t in times.items()}
-    print(f"{episodes} episodes x 3 tool calls (median sleep 50 ms, sigma 1), {args.reps} reps")
-    for w in pools:
-        spread = ", ".join(f"{t:.2f}" for t in times[w])
-        print(f"  env_workers={w:<3} {rate[w]:7.2f} episodes/s  (seconds per rep: {spread})")
-    print(f"  overlap speed-up: {rate[args.workers] / rate[1]:.2f}x")
+    rate = {a: episodes / statistics.median(t) for a, t in times.items()}
+    print(
+        f"{episodes} episodes x 3 tool calls (median sleep 50 ms, sigma 1), "
+        f"{args.decode_ms:g} ms per engine call, {args.reps} reps"
+    )
+    base = rate["1 worker"]
+    for arm in arms:
+        spread = ", ".join(f"{t:.2f}" for t in times[arm])
+        print(
+            f"  {arm:<18} {rate[arm]:7.2f} episodes/s  {rate[arm] / base:5.2f}x  "
+            f"(seconds per rep: {spread})"
+        )
 
 
 if __name__ == "__main__":

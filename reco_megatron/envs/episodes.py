@@ -3,9 +3,12 @@
 :func:`run_episodes` takes the place of one ``engine.generate(prompts, n, sampling)`` call and
 returns the same ``[prompts][n]`` completions, each the whole episode: the actions the policy
 sampled (loss mask 1, their log-probs) and the observations the environment appended (loss
-mask 0, log-prob 0), in order. Each turn is one batched ``generate`` call over the episodes
-still running; episodes waiting on their environment step are out of the batch, and the steps
-of a turn run concurrently in the :class:`~reco_megatron.envs.pool.EnvPool` workers.
+mask 0, log-prob 0), in order. The environments' steps run in the
+:class:`~reco_megatron.envs.pool.EnvPool` workers, several at once; with ``overlap`` (the
+default for a pool of its own) an episode acts again as soon as its own step is back, in one
+batched ``generate`` call with whatever else is ready, while the other environments still
+run, so one slow tool call holds up only its own episode. Without it (a pool shared by a
+model-parallel group) episodes go turn by turn.
 
 The first turn is exactly the single-turn call (the same prompts, ``n`` and per-prompt seeds),
 so an environment that ends every episode after one action reproduces single-turn sampling.
@@ -81,18 +84,25 @@ def run_episodes(
     max_turns: int,
     turn_discount: float = 1.0,
     first_id: int = 0,
+    overlap: bool | None = None,
 ) -> EpisodeResult:
     """``n`` episodes per row (see the module doc). ``rows[i]``: the dataset record
     ``{"prompt", "answer", "prompt_ids"}``; ``sampling[i]``: its :class:`SamplingParams`
     (seed, budget ``max_new_tokens``, the end-of-sequence stop ids); ``first_id``: the pool's
-    id of the first
-    episode (ids must not repeat while the pool lives)."""
+    id of the first episode (ids must not repeat while the pool lives). ``overlap``: episodes
+    act as soon as their own step is back, while other environments still run (None: when
+    the pool can, i.e. has ``submit``/``collect``; a pool shared by a model-parallel group
+    goes turn by turn so that every rank makes the same engine calls). Both give the same
+    episodes: an action's seed is ``(prompt seed, sample, turn)``, never the batch."""
     episodes = [_Episode(g, j) for g in range(len(rows)) for j in range(n)]
     ids = {first_id + k: ep for k, ep in enumerate(episodes)}
     resets = pool.reset({eid: dict(rows[ep.group]) for eid, ep in ids.items()})
     prompts = _prompts(ids, resets, rows, n)
     try:
-        _turns(generate, pool, ids, prompts, sampling, n, max_turns)
+        if overlap is None:
+            overlap = hasattr(pool, "submit") and hasattr(pool, "collect")
+        run = _overlapped if overlap else _turns
+        run(generate, pool, ids, prompts, sampling, n, max_turns)
     finally:
         pool.release(list(ids))
     return _result(episodes, prompts, n, turn_discount)
@@ -119,39 +129,75 @@ def _prompts(ids: dict[int, _Episode], resets: dict[int, Outcome], rows, n: int)
     return prompts
 
 
+def _act(generate, ids, prompts, sampling, n, eids: list[int]) -> dict[int, Completion]:
+    """One action for each of ``eids``, appended to its episode. Episodes with no action yet
+    take the single-turn call (every group's prompt, ``n`` samples); the others go alone,
+    their context so far and one sample each, in one batched call."""
+    actions: dict[int, Completion] = {}
+    fresh = [e for e in eids if ids[e].turns == 0]
+    if fresh:
+        first: dict[int, _Episode] = {}
+        for eid in fresh:
+            first.setdefault(ids[eid].group, ids[eid])
+        groups = sorted(first)
+        params = [_params(sampling[g], first[g], 0) for g in groups]
+        out = generate([prompts[g] for g in groups], n, params)
+        where = {g: k for k, g in enumerate(groups)}
+        actions.update({e: out[where[ids[e].group]][ids[e].sample] for e in fresh})
+    going = [e for e in eids if ids[e].turns > 0]
+    if going:
+        params = [_params(sampling[ids[e].group], ids[e], ids[e].turns) for e in going]
+        out = generate([ids[e].prompt + ids[e].tokens for e in going], 1, params)
+        actions.update({eid: out[k][0] for k, eid in enumerate(going)})
+    for eid, c in actions.items():
+        ep = ids[eid]
+        ep.tokens += c.token_ids
+        ep.logprobs += c.logprobs
+        ep.mask += [1] * len(c.token_ids)
+        ep.turns += 1
+        ep.finish = c.finish_reason
+        ep.routed = c.routed_experts
+    return actions
+
+
+def _steps(actions: dict[int, Completion]) -> dict[int, tuple[list[int], str]]:
+    return {eid: (c.token_ids, c.finish_reason) for eid, c in actions.items()}
+
+
 def _turns(generate, pool, ids, prompts, sampling, n, max_turns) -> None:
+    """Turn by turn: every running episode acts, then every environment steps."""
     live = [eid for eid, ep in ids.items() if not ep.ended]
-    for turn in range(max_turns):
-        if not live:
-            return
-        if turn == 0:  # the single-turn call: every group's prompt, n samples
-            first = {}
-            for eid in live:
-                first.setdefault(ids[eid].group, ids[eid])
-            groups = sorted(first)
-            params = [_params(sampling[g], first[g], 0) for g in groups]
-            out = generate([prompts[g] for g in groups], n, params)
-            where = {g: k for k, g in enumerate(groups)}
-            actions = {eid: out[where[ids[eid].group]][ids[eid].sample] for eid in live}
-        else:  # every running episode alone: its context so far, one sample
-            params = [_params(sampling[ids[e].group], ids[e], turn) for e in live]
-            out = generate([ids[e].prompt + ids[e].tokens for e in live], 1, params)
-            actions = {eid: out[k][0] for k, eid in enumerate(live)}
-        for eid, c in actions.items():
-            ep = ids[eid]
-            ep.tokens += c.token_ids
-            ep.logprobs += c.logprobs
-            ep.mask += [1] * len(c.token_ids)
-            ep.turns += 1
-            ep.finish = c.finish_reason
-            ep.routed = c.routed_experts
-        results = pool.step({eid: (c.token_ids, c.finish_reason) for eid, c in actions.items()})
-        live = [
-            eid
-            for eid in live
-            if _apply(ids[eid], results[eid], sampling[ids[eid].group].max_new_tokens, turn,
-                      max_turns)
-        ]  # fmt: skip
+    while live:
+        actions = _act(generate, ids, prompts, sampling, n, live)
+        results = pool.step(_steps(actions))
+        budget = {e: sampling[ids[e].group].max_new_tokens for e in live}
+        live = [e for e in live if _apply(ids[e], results[e], budget[e], max_turns)]
+
+
+def _overlapped(generate, pool, ids, prompts, sampling, n, max_turns) -> None:
+    """Episodes act as soon as their own step is back: the engine decodes the ready ones
+    while the other environments still run (one batched call for all that are ready)."""
+    live = [eid for eid, ep in ids.items() if not ep.ended]
+    if not live:
+        return
+    actions = _act(generate, ids, prompts, sampling, n, live)
+    pool.submit(_steps(actions))
+    pending = set(actions)
+    while pending:
+        done = pool.collect(block=True)
+        done.update(pool.collect(block=False))
+        if not done:
+            raise RuntimeError(f"environment pool: {len(pending)} steps pending, none running")
+        ready = []
+        for eid, out in done.items():
+            pending.discard(eid)
+            budget = sampling[ids[eid].group].max_new_tokens
+            if _apply(ids[eid], out, budget, max_turns):
+                ready.append(eid)
+        if ready:
+            actions = _act(generate, ids, prompts, sampling, n, sorted(ready))
+            pool.submit(_steps(actions))
+            pending.update(actions)
 
 
 def _params(base: SamplingParams, ep: _Episode, turn: int) -> SamplingParams:
@@ -164,7 +210,7 @@ def _params(base: SamplingParams, ep: _Episode, turn: int) -> SamplingParams:
     return replace(base, max_new_tokens=left, stop_token_ids=stops, seed=seed)
 
 
-def _apply(ep: _Episode, out: Outcome, budget: int, turn: int, max_turns: int) -> bool:
+def _apply(ep: _Episode, out: Outcome, budget: int, max_turns: int) -> bool:
     """Take the step's result into the episode; True while it goes on."""
     if not out.ok:
         ep.failed = ep.ended = out.status
@@ -176,7 +222,7 @@ def _apply(ep: _Episode, out: Outcome, budget: int, turn: int, max_turns: int) -
         ep.ended = "done"
     elif left <= 0 or ep.finish == "length":
         ep.ended, ep.finish = "budget", "length"
-    elif turn + 1 >= max_turns:
+    elif ep.turns >= max_turns:
         ep.ended = "max_turns"
     elif len(obs) + 1 > left:  # no room for an action after it
         ep.ended, ep.finish = "budget", "length"

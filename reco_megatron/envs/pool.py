@@ -89,6 +89,9 @@ class EnvPool:
         """Episode id -> the worker holding its environment."""
         self.lost: set[int] = set()
         self.restarts = 0
+        self._queues: list[deque[int]] = [deque() for _ in range(num_workers)]
+        self._requests: dict[int, dict[str, Any]] = {}
+        self._done: dict[int, Outcome] = {}
         self._warned: set[str] = set()
         self._workers: list[_Worker] = []
         try:
@@ -149,12 +152,25 @@ class EnvPool:
 
     def step(self, actions: dict[int, tuple[list[int], str]]) -> dict[int, Outcome]:
         """One step of every given episode: ``{id: (action_ids, finish)}``."""
-        return self._run(
-            {
-                eid: {"op": "step", "id": eid, "action": list(action), "finish": finish}
-                for eid, (action, finish) in actions.items()
-            }
-        )
+        return self._run({eid: self._step_request(eid, *a) for eid, a in actions.items()})
+
+    def submit(self, actions: dict[int, tuple[list[int], str]]) -> None:
+        """Start these steps and return at once; :meth:`collect` gives their outcomes."""
+        for eid, (action, finish) in actions.items():
+            self._enqueue(eid, self._step_request(eid, action, finish))
+
+    def collect(self, block: bool) -> dict[int, Outcome]:
+        """Outcomes of submitted steps that finished: with ``block``, at least one (unless
+        none is in flight), else whatever is done now."""
+        while True:
+            self._pump(None if block else 0.0)
+            if self._done or not block or not self._in_flight():
+                done, self._done = self._done, {}
+                return done
+
+    @staticmethod
+    def _step_request(eid: int, action: list[int], finish: str) -> dict[str, Any]:
+        return {"op": "step", "id": eid, "action": list(action), "finish": finish}
 
     def release(self, eids: list[int]) -> None:
         """Drop the environments of finished episodes (their workers free them)."""
@@ -172,46 +188,57 @@ class EnvPool:
         return len(self._workers)
 
     def _run(self, requests: dict[int, dict[str, Any]]) -> dict[int, Outcome]:
-        out: dict[int, Outcome] = {}
-        queues: list[deque[int]] = [deque() for _ in self._workers]
-        for eid in requests:
-            if eid in self.lost or eid not in self.home:
-                out[eid] = Outcome(False, "lost", "its worker was replaced")
-            else:
-                queues[self.home[eid]].append(eid)
-        while any(queues) or any(w.busy is not None for w in self._workers):
-            for index, worker in enumerate(self._workers):
-                while worker.busy is None and queues[index]:
-                    eid = queues[index].popleft()
-                    if eid in self.lost:
-                        out[eid] = Outcome(False, "lost", "its worker was replaced")
-                        continue
-                    try:
-                        worker.conn.send_bytes(json.dumps(requests[eid]).encode())
-                    except (BrokenPipeError, OSError):
-                        out[eid] = self._fail(index, eid, "crash", "the worker was gone")
-                        continue
-                    worker.busy, worker.since = eid, time.monotonic()
-            busy = [w for w in self._workers if w.busy is not None]
-            if not busy:
-                continue
-            deadline = min(w.since for w in busy) + self.step_timeout_s
-            ready = wait([w.conn for w in busy], timeout=max(0.0, deadline - time.monotonic()))
-            now = time.monotonic()
-            for index, worker in enumerate(self._workers):
-                eid = worker.busy
-                if eid is None:
+        """Run ``requests`` to their end (nothing else may be in flight)."""
+        for eid, request in requests.items():
+            self._enqueue(eid, request)
+        while self._in_flight():
+            self._pump(None)
+        done, self._done = self._done, {}
+        return done
+
+    def _enqueue(self, eid: int, request: dict[str, Any]) -> None:
+        if eid in self.lost or eid not in self.home:
+            self._done[eid] = Outcome(False, "lost", "its worker was replaced")
+        else:
+            self._requests[eid] = request
+            self._queues[self.home[eid]].append(eid)
+
+    def _in_flight(self) -> bool:
+        return any(self._queues) or any(w.busy is not None for w in self._workers)
+
+    def _pump(self, wait_s: float | None) -> None:
+        """Send queued calls to idle workers, wait up to ``wait_s`` (None: until something
+        happens) for answers and deadlines, and file what finished in ``_done``."""
+        for index, worker in enumerate(self._workers):
+            queue = self._queues[index]
+            while worker.busy is None and queue:
+                eid = queue.popleft()
+                request = self._requests.pop(eid)
+                if eid in self.lost:
+                    self._done[eid] = Outcome(False, "lost", "its worker was replaced")
                     continue
-                if worker.conn in ready:
-                    out[eid] = self._receive(index, eid, now - worker.since)
-                elif now - worker.since > self.step_timeout_s:
-                    out[eid] = self._fail(
-                        index,
-                        eid,
-                        "timeout",
-                        f"over rollout.env_step_timeout_s={self.step_timeout_s}",
-                    )
-        return out
+                try:
+                    worker.conn.send_bytes(json.dumps(request).encode())
+                except (BrokenPipeError, OSError):
+                    self._done[eid] = self._fail(index, eid, "crash", "the worker was gone")
+                    continue
+                worker.busy, worker.since = eid, time.monotonic()
+        busy = [w for w in self._workers if w.busy is not None]
+        if not busy:
+            return
+        left = min(w.since for w in busy) + self.step_timeout_s - time.monotonic()
+        timeout = max(0.0, left if wait_s is None else min(wait_s, left))
+        ready = wait([w.conn for w in busy], timeout=timeout)
+        now = time.monotonic()
+        for index, worker in enumerate(self._workers):
+            eid = worker.busy
+            if eid is None:
+                continue
+            if worker.conn in ready:
+                self._done[eid] = self._receive(index, eid, now - worker.since)
+            elif now - worker.since > self.step_timeout_s:
+                why = f"over rollout.env_step_timeout_s={self.step_timeout_s}"
+                self._done[eid] = self._fail(index, eid, "timeout", why)
 
     def _receive(self, index: int, eid: int, seconds: float) -> Outcome:
         worker = self._workers[index]

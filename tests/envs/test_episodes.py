@@ -26,18 +26,22 @@ def _params(rows, budget: int = 64) -> list[SamplingParams]:
     ]
 
 
-def _run(spec: str, rows, *, n=2, budget=64, max_turns=8, discount=1.0, workers=2, timeout=30.0):
+def _run(
+    spec: str, rows, *, n=2, budget=64, max_turns=8, discount=1.0, workers=2, timeout=30.0,
+    overlap=None,
+):  # fmt: skip
     engine = ScriptedEngine()
     with EnvPool(spec, num_workers=workers, step_timeout_s=timeout) as pool:
         result = run_episodes(
             engine.generate, pool, rows, n, _params(rows, budget),
-            max_turns=max_turns, turn_discount=discount,
+            max_turns=max_turns, turn_discount=discount, overlap=overlap,
         )  # fmt: skip
     return engine, result
 
 
-def test_observations_are_appended_verbatim_and_masked() -> None:
-    engine, result = _run("tests.envs._envs:Echo", _rows(11, 12))
+@pytest.mark.parametrize("overlap", [False, True], ids=["turn_by_turn", "overlapped"])
+def test_observations_are_appended_verbatim_and_masked(overlap: bool) -> None:
+    engine, result = _run("tests.envs._envs:Echo", _rows(11, 12), overlap=overlap)
     for g, group in enumerate(result.completions):
         assert result.prompts[g] == [11 + g, 30, 31]
         for c in group:
@@ -62,10 +66,36 @@ def test_observations_are_appended_verbatim_and_masked() -> None:
     assert prompts == result.prompts and n == 2
     assert [p.stop_token_ids for p in params] == [(EOS, 5), (EOS, 5)]
     # later turns: one row per episode, its whole context, the step's stop ids, fresh seeds
-    prompts, n, params = engine.calls[1]
-    assert n == 1 and len(prompts) == 4
-    assert all(p.stop_token_ids == (EOS, 6) for p in params)
-    assert len({p.seed for p in params}) == 4
+    later = [
+        (p, s)
+        for prompts, n, params in engine.calls[1:]
+        for p, s in zip(prompts, params, strict=False)
+    ]
+    assert all(n == 1 for _, n, _ in engine.calls[1:]) and len(later) == 8
+    assert all(s.stop_token_ids == (EOS, 6) for _, s in later)
+    assert len({s.seed for _, s in later}) == 8
+    if not overlap:  # turn by turn: one call per turn with every running episode
+        assert [len(prompts) for prompts, _, _ in engine.calls] == [2, 4, 4]
+
+
+def test_overlapped_and_turn_by_turn_give_the_same_episodes() -> None:
+    """An action's seed is (prompt seed, sample, turn): which episodes share a call does not
+    matter. A slow environment (Sleepy) on some prompts makes the overlapped calls differ."""
+    rows = _rows(11, 12, 13)
+    for row, delay in zip(rows, ("0.3", "0", "0"), strict=True):
+        row["answer"] = delay
+    runs = [
+        _run("tests.envs._envs:Sleepy", rows, max_turns=3, workers=3, overlap=o)
+        for o in (False, True)
+    ]
+    (sync_engine, a), (over_engine, b) = runs
+    assert [[c.token_ids for c in g] for g in a.completions] == [
+        [c.token_ids for c in g] for g in b.completions
+    ]
+    assert [[c.loss_mask for c in g] for g in a.completions] == [
+        [c.loss_mask for c in g] for g in b.completions
+    ]
+    assert len(over_engine.calls) > len(sync_engine.calls)  # the fast ones went ahead
 
 
 def test_turn_discount_weighs_turn_k_by_gamma_to_the_k() -> None:
