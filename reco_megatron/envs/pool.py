@@ -13,7 +13,9 @@ pool never raises for what an environment does; a failed episode is scored 0 by 
 
     with EnvPool("calculator", num_workers=4, step_timeout_s=30, tokenizer="tok.model") as pool:
         out = pool.reset({0: row, 1: row})             # episode id -> Outcome
-        out = pool.step({0: (action_ids, "stop")})
+        out = pool.step({0: (action_ids, "stop")})      # blocks until every step is back
+        pool.submit({1: (action_ids, "stop")})          # or: start steps, ...
+        out = pool.collect(block=True)                  # ... take them as they finish
 """
 
 from __future__ import annotations
