@@ -67,3 +67,17 @@ def test_the_howto_run_trains_episodes_with_the_users_file(tmp_path: Path) -> No
     for row in rows:
         assert row["env_turns_mean"] >= 1.0 and row["env_failed"] == 0
         assert 0.0 <= row["env_observation_frac"] < 1.0
+
+
+def test_a_misspelt_environment_stops_the_run_in_one_line_before_anything_exists(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "reco_megatron.train", "examples/calculator_cpu.yaml"]
+    cmd += ["rollout.env=my_envz:Calculator", f"trainer.output_dir={out}"]
+    env = {k: v for k, v in os.environ.items() if k != "WORLD_SIZE"}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    lines = [line for line in done.stderr.splitlines() if "rollout.env=" in line]
+    assert len(lines) == 1 and "cannot be imported" in lines[0]
+    assert "Traceback" not in done.stderr and not out.exists()
