@@ -13,7 +13,7 @@ from reco_megatron.trainer.orchestration.agreement import (
     agree_on_completions,
     completions_fingerprint,
 )
-from reco_megatron.trainer.orchestration.batch import build_rollout_batch
+from reco_megatron.trainer.orchestration.batch import build_rollout_batch, completions_batch
 from reco_megatron.trainer.orchestration.engines import (
     build_rollout_source,
     warn_if_colocation_overflows,
@@ -42,6 +42,7 @@ __all__ = [
     "agree_on_completions",
     "build_rollout_batch",
     "build_rollout_source",
+    "completions_batch",
     "completions_fingerprint",
     "prompt_seed",
     "warn_if_colocation_overflows",
