@@ -144,7 +144,7 @@ def _tensor(v: Any, f: str) -> torch.Tensor:
 
 _COMPLETION_FIELDS = {
     "prompt_index": _int, "sample_index": _int, "token_ids": _ints, "logprobs": _floats,
-    "finish_reason": _str, "routed_experts": _opt(_tensor),
+    "finish_reason": _str, "routed_experts": _opt(_tensor), "loss_mask": _opt(_ints),
 }  # fmt: skip
 
 

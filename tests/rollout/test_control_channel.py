@@ -187,6 +187,12 @@ def test_every_frame_kind_round_trips_and_anything_else_is_refused() -> None:
     back = decode(encode(result))["completions"][0][0]
     assert back.logprobs == done.logprobs and back.token_ids == done.token_ids  # bit for bit
     assert torch.equal(back.routed_experts, routed) and back.routed_experts.dtype == torch.int16
+    # An episode's completion carries its loss mask (0 on an environment's tokens).
+    episode = Completion(prompt_index=0, sample_index=0, token_ids=[7, 8, 9],
+                         logprobs=[-0.5, 0.0, -0.25], finish_reason="stop",
+                         loss_mask=[1, 0, 1])  # fmt: skip
+    result["completions"] = [[episode]]
+    assert decode(encode(result))["completions"][0][0].loss_mask == [1, 0, 1]
     bad = [
         pickle.dumps({"kind": "ping"}),
         msgpack.packb([1, 2]),
