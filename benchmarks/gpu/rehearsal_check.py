@@ -31,7 +31,8 @@ SECTIONS = (
     "rollout_engines",
 )
 ABSENT = ("hypothesis", "pyarrow")  # what the image stand-in must lack, carried or not
-CARRIED = ("megatron.core", "psutil", "sentencepiece", "pytest", "zmq", "msgpack")  # must come from the wheels
+# must come from the wheels
+CARRIED = ("megatron.core", "psutil", "sentencepiece", "pytest", "zmq", "msgpack")
 
 
 class Verdict:
