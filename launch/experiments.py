@@ -21,8 +21,10 @@ method (``reco_megatron.algo.config.PRESETS``); everything else comes from the c
 Before anything is built, every variant goes through the launch scripts' layout check
 (``reco_megatron.launch_check``: nodes x processes against TP x PP x CP, heads, layers, the
 config itself): a layout that cannot run exits 2 with the fix, one line, and creates nothing
-(69 when this interpreter is not the project's environment). A dry run prints each rendered
-script unwrapped on stdout and leaves no experiment folder behind.
+(69 when this interpreter is not the project's environment). A run (not ``--dryrun``) then
+runs the trainer's file pre-flight once, as the Slurm scripts do (placeholders, paths, the
+tokenizer, prompt lengths, the reward's trial call, the initial checkpoint). A dry run prints
+each rendered script unwrapped on stdout and leaves no experiment folder behind.
 
 Outputs: ``<output-root>/<variant>/`` (metrics.jsonl, checkpoints, plots) per variant.
 """
@@ -148,11 +150,13 @@ def preflight(
     gpus_per_node: int,
     full_preset: bool = False,
     rollout_nodes: int = 0,
+    files: bool = False,
 ) -> list[str]:
     """The problems (``"<variant>: <reason and fix>"``) of launching each variant on this
     layout, checked as the Slurm scripts check (``reco_megatron.launch_check``, with
-    ``--rollout-nodes``' split when ``rollout_nodes``); [] when all fit. Raises ImportError
-    when the project's dependencies are missing here."""
+    ``--rollout-nodes``' split when ``rollout_nodes``); with ``files``, the first variant's
+    files, tokenizer, prompts and reward too (the variants differ only in their loss); [] when
+    all fit. Raises ImportError when the project's dependencies are missing here."""
     from reco_megatron.config import ConfigError
     from reco_megatron.launch_check import check_layout, check_split
 
@@ -164,6 +168,7 @@ def preflight(
                 "nnodes": nnodes,
                 "nproc_per_node": nproc_per_node,
                 "gpus_per_node": gpus_per_node,
+                "files": files and variant == variants[0],
             }
             if rollout_nodes:
                 check_split(config, args, rollout_nodes=rollout_nodes, **sizes)
@@ -258,6 +263,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     local = ns.executor == "local"
     if local and ns.rollout_nodes:
         p.error("--rollout-nodes needs --executor slurm (nodes of their own for the workers)")
+    from reco_megatron.utils.noise import quiet_known_warnings
+
+    quiet_known_warnings()  # the file checks import megatron-core: its notes are not problems
     try:
         problems = preflight(
             ns.config,
@@ -268,6 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             gpus_per_node=0 if local else ns.gpus_per_node,
             full_preset=ns.full_preset,
             rollout_nodes=ns.rollout_nodes,
+            files=not ns.dryrun,
         )
     except ImportError as exc:
         from reco_megatron.launch_check import EXIT_ENVIRONMENT, environment_problem

@@ -4,12 +4,21 @@ The scripts in ``slurm/`` call it before starting ``srun``, so a layout that can
 fails in seconds with the fix, not after the job waited in the queue and loaded a model::
 
     python -m reco_megatron.launch_check --nnodes 2 --nproc-per-node 8 --gpus-per-node 8 \\
-        examples/llama3.1-8b-instruct.yaml parallel.tensor_model_parallel_size=4
+        examples/llama3.1-8b-instruct.yaml parallel.tensor_model_parallel_size=4 \\
+        data.train_path=math/train.jsonl ...   # the example's /path/to/... set to your files
+
+Then it runs the trainer's pre-flight checks that need no world
+(:func:`reco_megatron.trainer.preflight.file_problems`: the examples' ``/path/to/...``
+placeholders, missing paths, the tokenizer, the prompts against ``rollout.max_prompt_len``,
+the reward's import and trial call, the initial checkpoint), so a queued job cannot fail on
+what could be checked at submission. ``--layout-only`` skips them (a preview of a config whose
+files live elsewhere, or still hold the placeholders: ``LAYOUT_ONLY=1`` in ``slurm/``).
 
 On success it writes one line to stdout, ``TP=4 PP=1 CP=1 DP=4 WORLD=16``, and exits 0; on a
-bad fit (or an invalid config) it writes the reason and the fix to stderr and exits 2. When
-the interpreter cannot import the project's dependencies (torch, PyYAML, ...: not the
-project's environment) it says which interpreter and what to do, and exits 69
+bad fit (or an invalid config, or a file check) it writes the reason and the fix to stderr, one
+line per problem, and exits 2. When the interpreter cannot import the project's dependencies
+(torch, PyYAML, ...: not the project's environment) it says which interpreter and what to do,
+and exits 69
 (:data:`EXIT_ENVIRONMENT`), so a launcher can tell "choose the environment" apart from "the
 layout does not fit" (``--quiet-environment`` leaves that message out, for a launcher that
 then runs the check inside a container). ``--gpus-per-node 0`` means a CPU run (gloo): the
@@ -79,8 +88,10 @@ def check_layout(
     nnodes: int,
     nproc_per_node: int,
     gpus_per_node: int,
+    files: bool = False,
 ) -> Layout:
-    """Resolve the config's parallel sizes and check them against the allocation.
+    """Resolve the config's parallel sizes and check them against the allocation (then, with
+    ``files``, what :func:`check_files` checks).
 
     Raises ``ValueError`` (the message says what to change) when: a process count is not
     positive; more processes per node than GPUs; TP larger than one node (tensor parallelism
@@ -96,7 +107,34 @@ def check_layout(
 
     _check_counts(nnodes, nproc_per_node, gpus_per_node)
     cfg = load_config(TrainConfig, config_path, list(overrides))
-    return layout_of(cfg, nnodes=nnodes, nproc_per_node=nproc_per_node, gpus_per_node=gpus_per_node)
+    layout = layout_of(
+        cfg, nnodes=nnodes, nproc_per_node=nproc_per_node, gpus_per_node=gpus_per_node
+    )
+    if files:
+        check_files(cfg)
+    return layout
+
+
+LAYOUT_ONLY_HINT = (
+    "; to preview the layout alone, pass --layout-only (LAYOUT_ONLY=1 for the slurm/ scripts)"
+)
+
+
+def check_files(cfg: Any) -> None:
+    """The trainer's pre-flight checks that need no world, on a loaded ``TrainConfig``:
+    placeholders, paths, tokenizer, prompt lengths, the reward's trial call, the initial
+    checkpoint (:func:`reco_megatron.trainer.preflight.file_problems`).
+
+    Raises:
+        ConfigError: every problem, one line each; a placeholder's line says how to preview
+            the layout without them.
+    """
+    from reco_megatron.config import ConfigError
+    from reco_megatron.trainer.preflight import PLACEHOLDER, file_problems
+
+    problems = file_problems(cfg)
+    if problems:
+        raise ConfigError([p + LAYOUT_ONLY_HINT if PLACEHOLDER in p else p for p in problems])
 
 
 def _check_counts(nnodes: int, nproc_per_node: int, gpus_per_node: int) -> None:
@@ -189,6 +227,7 @@ def check_split(
     nproc_per_node: int,
     gpus_per_node: int,
     rollout_nodes: int,
+    files: bool = False,
 ) -> tuple[Layout, RolloutSplit]:
     """Check a job of ``nnodes`` whose last ``rollout_nodes`` run rollout workers.
 
@@ -199,7 +238,8 @@ def check_split(
     fix) when: ``rollout_nodes`` is negative or leaves no training node; the GPUs of a node
     are not a whole number of workers; ``overrides`` turn the placement back to colocated or
     the worker launch to spawn; ``rollout.num_workers`` asks for more workers than the rollout
-    nodes hold, or so few that a rollout node idles; the config refuses the split.
+    nodes hold, or so few that a rollout node idles; the config refuses the split. With
+    ``files``, then raises :class:`ConfigError` for what :func:`check_files` finds.
     """
     from reco_megatron.config import ConfigError, load_config
     from reco_megatron.trainer.config import TrainConfig
@@ -257,6 +297,8 @@ def check_split(
     layout = layout_of(
         cfg, nnodes=nnodes - k, nproc_per_node=nproc_per_node, gpus_per_node=gpus_per_node
     )
+    if files:
+        check_files(cfg)
     return layout, split
 
 
@@ -282,15 +324,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=0,
         help="the last K nodes run rollout workers (separate placement); 0: colocated",
     )
+    parser.add_argument(
+        "--layout-only",
+        action="store_true",
+        help="check the layout alone, not the config's files, tokenizer, prompts and reward",
+    )
     parser.add_argument("args", nargs="*", help="CONFIG.yaml then dotted.key=value overrides")
     ns = parser.parse_args(argv)
     try:  # everything that needs the project's dependencies (PyYAML, torch, megatron-core)
         from reco_megatron.config import ConfigError, parse_cli
         from reco_megatron.trainer import config as _train_config  # noqa: F401
+        from reco_megatron.utils.noise import quiet_known_warnings
     except ImportError as exc:
         if not ns.quiet_environment:
             sys.stderr.write(f"reco launch check: environment: {environment_problem(exc)}\n")
         return EXIT_ENVIRONMENT
+    quiet_known_warnings()  # the file checks import megatron-core: its notes are not problems
     try:
         config_path, overrides = parse_cli(ns.args)
         path = None if config_path is None else str(config_path)
@@ -298,6 +347,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "nnodes": ns.nnodes,
             "nproc_per_node": ns.nproc_per_node,
             "gpus_per_node": ns.gpus_per_node,
+            "files": not ns.layout_only,
         }
         if ns.rollout_nodes:
             layout, split = check_split(path, overrides, rollout_nodes=ns.rollout_nodes, **sizes)

@@ -1,6 +1,7 @@
 # shellcheck shell=bash
 # Shared by the reco-megatron Slurm scripts (sourced, not run). No training logic: it resolves
-# the allocation, checks the layout with `python -m reco_megatron.launch_check`, then starts one
+# the allocation, checks the layout and the config's files with `python -m
+# reco_megatron.launch_check` (the trainer's pre-flight, without the world), then starts one
 # `torchrun` per node with `srun` (optionally inside a pyxis/enroot container) and forwards
 # preemption signals to it. Every knob is an environment variable with a default:
 #
@@ -20,6 +21,11 @@
 #   DRY_RUN=1        print the srun/torchrun command line instead of running it
 #   NNODES           nodes of a dry run outside Slurm (default: the script's #SBATCH --nodes)
 #   LAUNCH_CHECK=0   skip the layout check (not recommended)
+#   LAYOUT_ONLY=1    check the layout alone: not the config's files (the examples' /path/to/...
+#                    placeholders, missing paths, the tokenizer, prompt lengths, the reward's
+#                    import and trial call, the initial checkpoint), which the check otherwise
+#                    runs as the trainer's pre-flight would. For a preview of a config whose
+#                    files are not set yet, or not visible from this host.
 #   REQUEUE_ON_TIMEOUT=0  do not `scontrol requeue` after the time-limit warning (USR1)
 #   FORWARD_SIGNAL   signal sent to the srun step when the batch shell gets USR1/TERM (TERM)
 #   ROLLOUT_NODES=k  the last k nodes generate, the others train (separate placement; default
@@ -135,9 +141,10 @@ reco_build_command() {
     -m reco_megatron.train "$CONFIG" "trainer.output_dir=$OUTPUT_DIR" ${split[@]+"${split[@]}"} "$@")
 }
 
-# Fail fast when nodes x processes do not fit the config's TP x PP x CP (logic in Python).
-# Exit 2 when they do not fit (or the config is invalid), 69 when no interpreter here or in
-# the container can run the check (not the project's environment).
+# Fail fast when nodes x processes do not fit the config's TP x PP x CP, or the config's files,
+# tokenizer, prompts or reward would stop the trainer's pre-flight (logic in Python; the files
+# are skipped with LAYOUT_ONLY=1). Exit 2 when they do not fit (or the config is invalid), 69
+# when no interpreter here or in the container can run the check (not the project's environment).
 reco_check_layout() {
   if [ "${LAUNCH_CHECK:-1}" = 0 ]; then
     [ "$ROLLOUT_NODES" = 0 ] && return 0
@@ -147,6 +154,11 @@ reco_check_layout() {
   local check=(--nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE"
     --gpus-per-node "$GPUS_PER_NODE")
   [ "$ROLLOUT_NODES" = 0 ] || check+=(--rollout-nodes "$ROLLOUT_NODES")
+  local checked="files, tokenizer, prompts and reward checked"
+  if [ "${LAYOUT_ONLY:-0}" = 1 ]; then
+    check+=(--layout-only)
+    checked="LAYOUT_ONLY=1: the config's files, tokenizer, prompts and reward not checked"
+  fi
   check+=("$CONFIG" "$@")
   local layout rc=0 quiet=()
   # With a container the job does not need a local environment: ask the check not to explain.
@@ -178,12 +190,12 @@ reco_check_layout() {
          "exit $rc: is it the project's environment? Set PYTHON=/path/to/venv/bin/python" ;;
   esac
   if [ "$ROLLOUT_NODES" = 0 ]; then
-    reco_log "layout: $layout on $NNODES node(s) x $NPROC_PER_NODE process(es)"
+    reco_log "layout: $layout on $NNODES node(s) x $NPROC_PER_NODE process(es) ($checked)"
     return 0
   fi
   reco_parse_split "$layout"
   reco_log "layout: ${layout%% TRAIN_NODES=*} on $RECO_TRAIN_NODES training node(s) x" \
-    "$NPROC_PER_NODE process(es)"
+    "$NPROC_PER_NODE process(es) ($checked)"
   local where="of $RECO_WORKER_GPUS GPU(s)"
   [ "$RECO_WORKER_GPUS" = 0 ] && where="on the CPU"
   reco_log "split: $RECO_TRAIN_NODES training node(s) x $NPROC_PER_NODE process(es)," \

@@ -3,10 +3,12 @@
 #
 #   sbatch slurm/reco_qwen3_30b_a3b.sh                                  # 2 nodes x 8 GPUs
 #   sbatch --nodes 4 slurm/reco_qwen3_30b_a3b.sh trainer.max_steps=500  # 4 nodes: DP 8
-#   DRY_RUN=1 bash slurm/reco_qwen3_30b_a3b.sh                          # print the launch line
+#   LAYOUT_ONLY=1 DRY_RUN=1 bash slurm/reco_qwen3_30b_a3b.sh            # print the launch line
 #
 # Layout (from the config): TP 4 + sequence parallel, EP 4 x expert-TP 4, DP = nodes x 2.
-# Edit checkpoint.init_hf and data.* in the config (or pass them as overrides). Submit from the
+# Edit checkpoint.init_hf and data.* in the config (or pass them as overrides): until then the
+# check (DRY_RUN=1 without LAYOUT_ONLY=1, and the job) stops on its /path/to/... placeholders,
+# in one line, exit 2; LAYOUT_ONLY=1 previews the layout alone. Submit from the
 # repository root. Requeued after preemption, it reuses OUTPUT_DIR (per job name) and the
 # trainer resumes from OUTPUT_DIR/checkpoints/latest (same EP size). Knobs: see slurm/common.sh.
 #SBATCH --job-name=reco-qwen3-30b-a3b

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import os
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -151,6 +152,32 @@ def test_dryrun_impossible_layout_exits_2_and_creates_nothing(nemorun_home: Path
     assert line.startswith("launch.experiments: cannot launch: world size 8 is not divisible")
     assert out == ""
     assert not (nemorun_home / "nemorun").exists()
+
+
+@needs_nemo_run
+def test_a_run_checks_the_files_first_exits_2_and_creates_nothing(
+    nemorun_home: Path, tmp_path: Path
+) -> None:
+    """Not a dry run: the trainer's file pre-flight runs before anything is built (here a
+    prompt file that does not exist), once, on the first variant, in one line."""
+    runs = tmp_path / "runs"
+    argv = [
+        *("--executor", "local", "--variants", "grpo,reco", "--output-root", str(runs)),
+        *("--config", "examples/tiny_cpu.yaml", "data.train_path=missing.jsonl"),
+    ]
+    done = subprocess.run(  # the real command: a fresh process, as a user runs it
+        [sys.executable, "-m", "launch.experiments", *argv],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("launch.experiments: cannot launch: grpo: data.train_path='missing.")
+    assert not (nemorun_home / "nemorun").exists() and not runs.exists()
 
 
 @pytest.mark.dist

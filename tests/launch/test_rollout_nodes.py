@@ -174,7 +174,8 @@ def _check(capsys, *argv: str) -> tuple[int, str, str]:
     return code, out, err
 
 
-GPU4 = ("--nnodes", "4", "--nproc-per-node", "8", "--gpus-per-node", "8")
+# the 8B example still holds /path/to/... placeholders: these tests check the split alone
+GPU4 = ("--nnodes", "4", "--nproc-per-node", "8", "--gpus-per-node", "8", "--layout-only")
 
 
 def test_launch_check_names_the_split(capsys) -> None:

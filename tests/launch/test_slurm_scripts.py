@@ -41,6 +41,7 @@ def _fake_allocation(tmp_path: Path, nodes: list[str]) -> dict[str, str]:
         SLURM_JOB_NAME="reco-llama8b",
         SLURM_CPUS_PER_TASK="96",
         DRY_RUN="1",
+        LAYOUT_ONLY="1",  # the examples hold /path/to/... placeholders: these tests are layouts
         PYTHON=sys.executable,
         PYTHONPATH=str(ROOT),
     )
@@ -117,6 +118,56 @@ def test_llama8b_fails_fast(
     assert res.returncode == 2, res.stderr  # a bad fit: 2, never the environment's 69
     assert needle in res.stderr
     assert "srun" not in res.stdout
+
+
+BAD_REWARDS = "def text(response, gold):\n    return 'yes'\n"
+
+
+def _tiny_check_env(tmp_path: Path) -> tuple[dict[str, str], Path]:
+    (tmp_path / "bad_rewards.py").write_text(BAD_REWARDS)
+    env = _fake_allocation(tmp_path, ["cpu001"])
+    out = tmp_path / "run"
+    del env["LAYOUT_ONLY"]
+    env.update(
+        CONFIG="examples/tiny_cpu.yaml",
+        GPUS_PER_NODE="0",
+        OUTPUT_DIR=str(out),
+        PYTHONPATH=f"{ROOT}{os.pathsep}{tmp_path}",
+    )
+    return env, out
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        ("data.train_path=missing.jsonl", "data.train_path='missing.jsonl' does not exist"),
+        ("reward.reward=no_such_module:score", "module 'no_such_module' cannot be imported"),
+        ("reward.reward=bad_rewards:text", "returned 'yes'"),  # the trial call, in a worker
+        ("rollout.max_prompt_len=16", "prompts are longer than rollout.max_prompt_len=16"),
+        ("data.tokenizer=examples/no_such.model", "data.tokenizer='examples/no_such.model'"),
+    ],
+)
+def test_the_dry_run_runs_the_trainers_file_checks(
+    tmp_path: Path, override: str, needle: str
+) -> None:
+    """What the trainer's pre-flight would refuse stops the dry run (and the job, before srun):
+    exit 2, one line, no traceback, no srun line, no output directory."""
+    env, out = _tiny_check_env(tmp_path)
+    res = _dry_run("slurm/reco.sbatch", env, override)
+    assert res.returncode == 2 and res.stdout == "", res.stderr
+    (line,) = res.stderr.splitlines()
+    assert line.startswith("reco launch check failed: ") and needle in line, line
+    assert not out.exists()
+
+
+def test_layout_only_skips_the_file_checks_and_says_so(tmp_path: Path) -> None:
+    env, _ = _tiny_check_env(tmp_path)
+    res = _dry_run("slurm/reco.sbatch", {**env, "LAYOUT_ONLY": "1"}, "data.train_path=x.jsonl")
+    assert res.returncode == 0 and res.stdout.startswith("srun "), res.stderr
+    assert "(LAYOUT_ONLY=1: the config's files, tokenizer, prompts and reward not" in res.stderr
+    fine = _dry_run("slurm/reco.sbatch", env)
+    assert fine.returncode == 0, fine.stderr
+    assert "(files, tokenizer, prompts and reward checked)" in fine.stderr
 
 
 def test_generic_sbatch_needs_config(tmp_path: Path) -> None:
@@ -258,18 +309,41 @@ def _fresh_clone(tmp_path: Path, *, venv: bool) -> tuple[Path, dict[str, str]]:
     return root, env
 
 
+def _has_placeholders(command: str) -> bool:
+    """Whether the config a preview runs on still holds the examples' ``/path/to/...``: the
+    ``CONFIG=`` of the command, else the script's own default."""
+    words = shlex.split(command)
+    config = next((w.split("=", 1)[1] for w in words if w.startswith("CONFIG=")), None)
+    if config is None:
+        script = (ROOT / next(w for w in words if w.startswith("slurm/"))).read_text()
+        config = re.search(r"^CONFIG=\$\{CONFIG:-(\S+)\}$", script, flags=re.M).group(1)
+    return "/path/to/" in (ROOT / config).read_text()
+
+
 def test_every_documented_preview_works_as_written(tmp_path: Path) -> None:
+    """A layout-only preview (``LAYOUT_ONLY=1``) or one of a config without placeholders
+    prints the srun line; a full check of an example that still holds ``/path/to/...`` stops
+    with one line naming them, as the docs say, and prints no srun line."""
     previews = documented_previews()
     assert len(previews) >= 4, previews  # README, reco_llama8b.sh, reco_tiny.sh, reco.sbatch x2
     root, env = _fresh_clone(tmp_path, venv=True)
+    refused = 0
     for command in previews:
         res = subprocess.run(
             ["bash", "-c", command], cwd=root, env=env, capture_output=True, text=True, timeout=180
         )
+        if "LAYOUT_ONLY=1" not in command and _has_placeholders(command):
+            refused += 1
+            assert res.returncode == 2 and res.stdout == "", (command, res.stderr)
+            (line,) = res.stderr.splitlines()
+            assert "still the example's placeholder" in line and "LAYOUT_ONLY=1" in line, line
+            continue
         assert res.returncode == 0, (command, res.stderr)
         assert res.stdout.startswith("srun "), (command, res.stdout)
         assert "layout: TP=" in res.stderr, (command, res.stderr)
         assert f"{root}/.venv/bin/python -m torch.distributed.run" in res.stdout, command
+    assert refused, "no documented preview shows the placeholders' refusal any more"
+    assert not (root / "runs").exists()  # a preview creates no output directory
 
 
 def test_no_environment_is_told_apart_from_a_bad_layout(tmp_path: Path) -> None:

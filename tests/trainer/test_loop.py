@@ -80,6 +80,7 @@ def test_three_steps_leave_metrics_checkpoint_and_plot(tp1: Path) -> None:
     assert (tp1 / "checkpoints" / "latest").read_text().strip() == "step_00000003"
     assert (tp1 / "config.yaml").exists()
     assert (tp1 / "training_curves.png").stat().st_size > 1000
+    assert not (tp1 / "trainer.lock").exists()  # a clean exit removes the run's lock file
 
 
 def test_tp2_metrics_equal_tp1(tp1: Path, tmp_path: Path) -> None:

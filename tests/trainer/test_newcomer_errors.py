@@ -220,6 +220,56 @@ def test_the_real_command_with_a_misspelt_reward(tmp_path) -> None:
     assert proc.stderr.strip() == line, proc.stderr  # nothing logged before it
 
 
+LAUNCH = ("--nnodes", "1", "--nproc-per-node", "1", "--gpus-per-node", "0")
+
+
+@pytest.mark.parametrize(
+    ("case", "needle"),
+    [
+        ("misspelt", "has no attribute 'exactt'"),
+        pytest.param("text", "returned 'yes'", marks=pytest.mark.dist),  # a reward worker
+        ("long_prompts", "2 of 3 prompts are longer than rollout.max_prompt_len=80"),
+        ("init_hf", "model.num_layers=4, config.json 2"),
+        ("defaults", "2000 of 2000 prompts are longer than rollout.max_prompt_len=64"),
+        ("placeholders", "still the example's placeholder"),
+    ],
+)
+def test_the_launch_check_refuses_the_same_mistakes(
+    tmp_path, capsys, monkeypatch, bad_rewards, case: str, needle: str
+) -> None:
+    """``launch_check`` (what the Slurm scripts and their dry run call before ``srun``) runs
+    the same pre-flight: each mistake above is its one line and exit 2, before any job."""
+    from reco_megatron import launch_check
+
+    monkeypatch.chdir(ROOT)
+    tiny = "examples/tiny_cpu.yaml"
+    if case == "long_prompts":
+        rows = [{"prompt": "1 + 1", "answer": "2"}, *[{"prompt": "9 " * 90, "answer": "9"}] * 2]
+        (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = {
+        "misspelt": [tiny, f"reward.reward={bad_rewards}:exactt"],
+        "text": [tiny, f"reward.reward={bad_rewards}:text"],
+        "long_prompts": [tiny, f"data.train_path={tmp_path / 'p.jsonl'}"],
+        "init_hf": [tiny, f"checkpoint.init_hf={tmp_path / 'llama'}"],
+        "defaults": [],
+        "placeholders": ["--layout-only", "examples/llama3.1-8b-instruct.yaml"],
+    }[case]
+    sizes = LAUNCH
+    if case == "init_hf":
+        _save_llama(tmp_path / "llama")
+        capsys.readouterr()  # what transformers said while saving it
+    if case == "placeholders":  # the example's layout; first as a preview, then checked
+        sizes = ("--nnodes", "1", "--nproc-per-node", "8", "--gpus-per-node", "8")
+        assert launch_check.main([*sizes, *args]) == 0
+        assert capsys.readouterr().out.startswith("TP=2 ")
+        args = args[1:]
+    code = launch_check.main([*sizes, *args])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and "Traceback" not in err, err
+    (line,) = err.splitlines()
+    assert line.startswith("reco launch check failed: ") and needle in line, line
+
+
 def _env() -> dict[str, str]:
     import os
 

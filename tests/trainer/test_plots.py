@@ -63,6 +63,19 @@ def test_training_figure_panels_axes_and_title() -> None:
     plt.close(fig)
 
 
+def test_a_grpo_runs_weight_panel_says_why_it_is_empty() -> None:
+    """GRPO writes ``weight_active: null``: its panel says the loss has no response weight
+    (it was a blank panel)."""
+    import matplotlib.pyplot as plt
+
+    rows = [{**row, "weight_active": None} for row in _rows()]
+    fig = training_figure(rows, "runs/x: objective ppo_clip")
+    texts = [t.get_text() for t in fig.axes[3].texts]
+    assert len(texts) == 1 and "this loss computes no response weight" in texts[0], texts
+    assert not fig.axes[0].texts  # a panel with data has no note
+    plt.close(fig)
+
+
 def test_training_curves_png(tmp_path: Path) -> None:
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("".join(json.dumps(r) + "\n" for r in _rows()))

@@ -122,3 +122,34 @@ def test_summary(tmp_path: Path) -> None:
     (tmp_path / "checkpoints" / "step_00000000").mkdir()
     text = "\n".join(summary_lines(tmp_path, phases))
     assert f"reco-eval base={tmp_path}/checkpoints/step_00000000 trained={tmp_path}" in text
+
+
+@pytest.mark.dist  # a real (tiny) run, in this process
+def test_the_first_rl_steps_time_leaves_the_sft_warm_up_out(tmp_path, monkeypatch, lines) -> None:
+    """The warm-up is made to look 1000 s long (the clock jumps as it ends): the first RL
+    step's line must not carry it ("first step 4:27" was the whole SFT phase)."""
+    import time
+
+    from reco_megatron.train import main
+    from reco_megatron.trainer.loop import Trainer
+    from tests.tiny_overrides import TINY_RUN
+
+    real, jump = time.perf_counter, [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: real() + jump[0])
+    warm_up = Trainer._warm_up
+
+    def long_warm_up(self: Trainer, start: int) -> bool:
+        stopped = warm_up(self, start)
+        jump[0] += 1000.0
+        return stopped
+
+    monkeypatch.setattr(Trainer, "_warm_up", long_warm_up)
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])
+    args = ["examples/tiny_cpu.yaml", *TINY_RUN, "sft.steps=2", "sft.batch_size=8"]
+    args += ["trainer.max_steps=2", "eval.interval=0", f"trainer.output_dir={tmp_path / 'run'}"]
+    assert main(args) == 0
+    (first,) = [r.getMessage() for r in lines.records if r.getMessage().startswith("reco 1/2 ")]
+    shown = first.split("(first step ", 1)[1].split(",", 1)[0]  # "2.6 s", "0:12" or "16:42"
+    parts = [float(x) for x in shown.removesuffix(" s").split(":")]
+    seconds = sum(x * 60**i for i, x in enumerate(reversed(parts)))
+    assert seconds < 1000, first  # the step alone, not the warm-up's 1000 s

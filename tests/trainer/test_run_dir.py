@@ -13,7 +13,7 @@ from reco_megatron.megatron.checkpoint.ownership import mark_owner
 from reco_megatron.megatron.checkpoint.resume import remove_partial_checkpoints
 from reco_megatron.train import main
 from reco_megatron.trainer.lifecycle import run_dir, take_run_directory
-from reco_megatron.trainer.lifecycle.run_lock import LOCK_NAME, RunLock
+from reco_megatron.trainer.lifecycle.run_lock import LOCK_NAME
 from tests.tiny_overrides import TINY_RUN
 
 
@@ -100,7 +100,8 @@ def test_look_alikes_are_not_proof(tmp_path) -> None:
 
 def test_only_an_empty_lock_file_counts_as_nothing(tmp_path) -> None:
     out = tmp_path / "run"
-    RunLock(out).acquire().release()  # a start that failed before run.json: empty lock file
+    out.mkdir()
+    (out / LOCK_NAME).write_text("")  # what an earlier release left after every exit
     assert sorted(p.name for p in out.iterdir()) == [LOCK_NAME]
     assert run_dir.foreign_files(out) is None
     (out / LOCK_NAME).write_text("someone's notes")

@@ -61,7 +61,38 @@ def test_second_process_is_refused_then_takes_over_from_a_dead_holder(tmp_path, 
         assert lock.held
         assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()
     assert f"taking over {tmp_path} from PID {holder.pid}" in caplog.text
-    assert (tmp_path / LOCK_NAME).read_text() == ""  # a clean release empties the record
+    assert not (tmp_path / LOCK_NAME).exists()  # a clean release removes the file
+
+
+def test_a_clean_exit_removes_the_lock_file_and_a_waiter_locks_the_new_one(
+    tmp_path, monkeypatch
+) -> None:
+    """The holder exits cleanly between another process's open and its lock: that process
+    must not hold a lock on the removed file while a third locks a new file of the same name.
+    (Fails with ``acquire``'s link check taken out: the waiter keeps the removed file.)"""
+    first = RunLock(tmp_path).acquire()
+    lock_file = tmp_path / LOCK_NAME
+    assert lock_file.exists()
+    take = RunLock._lock
+    opened: list[int] = []
+
+    def holder_exits_first(self: RunLock, fd: int) -> bool:
+        if not opened:
+            opened.append(os.fstat(fd).st_ino)
+            first.release()  # a clean exit: the file goes while still locked
+            assert not lock_file.exists()
+        return take(self, fd)
+
+    monkeypatch.setattr(RunLock, "_lock", holder_exits_first)
+    second = RunLock(tmp_path).acquire()
+    try:
+        held = os.fstat(second._fd)
+        assert held.st_nlink == 1  # a file the path names, not the removed one
+        assert (held.st_dev, held.st_ino) == (lock_file.stat().st_dev, lock_file.stat().st_ino)
+        assert json.loads(lock_file.read_text())["pid"] == os.getpid()
+    finally:
+        second.release()
+    assert not lock_file.exists()
 
 
 def test_a_requeued_slurm_job_waits_for_its_previous_run(tmp_path, monkeypatch) -> None:
@@ -111,7 +142,7 @@ def test_a_failed_start_leaves_no_directory_behind(tmp_path) -> None:
     (out / "data").mkdir(parents=True)  # a directory with content stays
     lock = RunLock(out).acquire()
     lock.release(failed_start=True)
-    assert sorted(p.name for p in out.iterdir()) == ["data", LOCK_NAME]
+    assert sorted(p.name for p in out.iterdir()) == ["data"]
 
 
 @pytest.mark.dist

@@ -4,8 +4,9 @@ The trainer overwrites ``config.yaml``, rewrites ``metrics.jsonl`` on resume and
 debris of interrupted saves; in a directory holding someone else's files that is data loss.
 So a start accepts ``trainer.output_dir`` only when it is
 
-* new, empty, or holds nothing but an empty ``trainer.lock`` (a start that failed before it
-  wrote anything): a new run; :func:`mark_run_directory` writes ``run.json`` (a random run
+* new, empty, or holds nothing but a ``trainer.lock`` that is empty or holds a lock record (a
+  start killed before it wrote anything; earlier releases left an empty one after every
+  exit): a new run; :func:`mark_run_directory` writes ``run.json`` (a random run
   id, the time and the host) right after the run lock is taken, before anything else;
 * marked: ``run.json`` is a regular file holding a run id;
 * a run directory of an earlier release (no ``run.json``): its ``config_history.jsonl``

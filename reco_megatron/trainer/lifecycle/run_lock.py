@@ -8,7 +8,11 @@ outcome, so every rank of a refused job exits 2 with one line naming the holder)
 Mechanism: a POSIX record lock (``fcntl.lockf``, i.e. ``fcntl(F_SETLK)``) on the lock file,
 held for the whole run; the kernel (or the file server) releases it when the process dies,
 however it dies. The file itself holds the holder's host, PID, Slurm job id and start time
-(JSON), refreshed every :data:`HEARTBEAT_S` seconds, and is emptied on a clean exit.
+(JSON), refreshed every :data:`HEARTBEAT_S` seconds, and is removed on a clean exit, while
+still locked. A process that opened the file just before (it waited on the holder's lock)
+then holds a lock on a removed file; so :meth:`RunLock.acquire` checks, once it has the lock,
+that the path still names the file it locked, and opens the path again when not. A run that
+did not exit cleanly (SIGKILL, node failure) leaves the file with its record.
 
 * Busy (another process holds the lock): :class:`RunLockError` naming the holder; a requeued
   Slurm job whose previous incarnation still holds it (same ``SLURM_JOB_ID``; a file server
@@ -119,15 +123,20 @@ class RunLock:
     def acquire(self) -> RunLock:
         """Take the lock or raise :class:`RunLockError` (busy) / ``OSError`` (cannot write)."""
         self.created = not self.path.parent.exists()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            kernel = self._lock(fd)
-            self._check_record(fd, kernel)
-            self._write_record(fd)
-        except BaseException:
-            os.close(fd)
-            raise
+        while True:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                kernel = self._lock(fd)
+                if kernel and not self._linked(fd):  # its holder removed it: open it anew
+                    os.close(fd)
+                    continue
+                self._check_record(fd, kernel)
+                self._write_record(fd)
+            except BaseException:
+                os.close(fd)
+                raise
+            break
         self._fd = fd
         self._beat = threading.Thread(target=self._heartbeat, name="run-lock", daemon=True)
         self._beat.start()
@@ -167,6 +176,15 @@ class RunLock:
             if time.monotonic() > deadline:
                 raise RunLockError(self._busy(holder, waited=self.own_wait_s))
             time.sleep(1.0)
+
+    def _linked(self, fd: int) -> bool:
+        """Whether :attr:`path` still names the file open as ``fd``."""
+        try:
+            named = os.stat(self.path, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        held = os.fstat(fd)
+        return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
 
     def _check_record(self, fd: int, kernel: bool) -> None:
         """The lock is ours (or there are no locks): is the record of a live holder?"""
@@ -218,11 +236,14 @@ class RunLock:
 
     # ------------------------------------------------------------------ release
     def release(self, *, failed_start: bool = False) -> None:
-        """Empty the record and drop the lock (idempotent). The file stays (removing it would
-        let two processes lock two different files of the same name), except after a
-        ``failed_start`` in a directory :meth:`acquire` created and nothing else wrote to:
-        then the directory goes, as if the run had never started."""
+        """Remove the lock file while still holding it, then drop the lock (idempotent): a
+        process waiting on it finds the path gone or new, and :meth:`acquire` takes the lock
+        of the file the path names. After a ``failed_start`` in a directory :meth:`acquire`
+        created and nothing else wrote to, the directory goes too, as if the run had never
+        started."""
         self._stop.set()
+        if self._beat is not None and self._beat is not threading.current_thread():
+            self._beat.join(timeout=5.0)  # no refresh of a file of the same name after this
         fd, self._fd = self._fd, None
         if fd is None:
             return
@@ -232,10 +253,12 @@ class RunLock:
         with contextlib.suppress(OSError):
             if unused:
                 (out / RUN_MARKER).unlink(missing_ok=True)
-                self.path.unlink()  # while holding it: nobody else can have it open locked
-                out.rmdir()
+            if self._linked(fd):  # never another process's file of the same name
+                self.path.unlink()  # while holding it: a waiter checks the link (acquire)
             else:
                 os.ftruncate(fd, 0)
+            if unused:
+                out.rmdir()
         with contextlib.suppress(OSError):
             fcntl.lockf(fd, fcntl.LOCK_UN)
         os.close(fd)

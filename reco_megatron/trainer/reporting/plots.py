@@ -32,6 +32,14 @@ RAW_ALPHA = 0.25
 """Opacity of the raw per-step curves under the smoothed ones."""
 
 
+EMPTY = {
+    "weight_active": "weight_active is null in metrics.jsonl:\nthis loss computes no response "
+    "weight (GRPO and its variants)"
+}
+"""What an empty panel says, where the reason is known."""
+_CENTRED = {"ha": "center", "va": "center", "fontsize": 9}
+
+
 def smooth(values: Sequence[float | None], window: int = 10) -> list[float]:
     """Exponential moving average with the weight of a ``window``-step mean (alpha =
     2 / (window + 1)); missing values (None, NaN) are skipped and stay NaN."""
@@ -78,7 +86,8 @@ def training_figure(rows: Sequence[Mapping[str, Any]], title: str = "") -> Any:
         if key == "pass@k" and series:
             ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
         if not any(v is not None for _, raw in series for v in raw):
-            ax.text(0.5, 0.5, f"no {key} in metrics.jsonl", ha="center", transform=ax.transAxes)
+            note = EMPTY.get(key, f"no {key} in metrics.jsonl")
+            ax.text(0.5, 0.5, note, transform=ax.transAxes, **_CENTRED)
     for ax in axes[1]:
         ax.set_xlabel("RL step")
     fig.suptitle(
