@@ -1,7 +1,8 @@
 """The layers import in one direction, checked for every package from one table.
 
 ``algo`` (pure math) <- ``parallel`` (vocab-parallel ops) <- ``megatron`` (the only code that
-touches megatron-core) <- ``rollout`` / ``rewards`` / ``data`` / trainer <- CLI and launchers;
+touches megatron-core) <- ``rollout`` / ``rewards`` / ``data`` <- ``envs`` (episodes over
+a rollout engine and isolated environment workers) <- trainer <- CLI and launchers;
 ``config`` is plain Python beside them all.
 
 Two checks per package, because ``import torch`` itself loads ``torch.distributed`` (so
@@ -55,6 +56,11 @@ RULES: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {
         ("algo", "config", "data", "rewards", "utils"),
     ),
     "rollout": (HEAVY, ("megatron", "transformer_engine", "apex"), ("algo", "rollout", "utils")),
+    "envs": (
+        HEAVY,
+        (*HEAVY, "torch.distributed"),
+        ("algo", "config", "data", "envs", "rewards", "rollout", "utils"),
+    ),
 }
 
 

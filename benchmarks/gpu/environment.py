@@ -31,6 +31,8 @@ MODULES = (
     "megatron.core",
     "psutil",
     "sentencepiece",
+    "zmq",
+    "msgpack",
     "math_verify",
     "pytest",
     "liger_kernel",

@@ -41,7 +41,16 @@ from packaging.utils import canonicalize_name
 IMAGE_ROOTS = ("torch", "triton", "transformers", "numpy", "pip")
 """What the image provides (with the closure of their requirements)."""
 
-NEVER = ("megatron-core", "pytest", "hypothesis", "psutil", "sentencepiece", "pyarrow")
+NEVER = (
+    "megatron-core",
+    "pytest",
+    "hypothesis",
+    "psutil",
+    "sentencepiece",
+    "pyarrow",
+    "pyzmq",
+    "msgpack",
+)
 """What the rehearsal must not have unless carried: refused even if a requirement names it."""
 
 

@@ -26,6 +26,8 @@ WHEELS=(
   "iniconfig==2.3.1"
   "psutil==7.2.2"                  # megatron's checkpoint save imports it (undeclared)
   "sentencepiece==0.2.3"           # the tiny tokenizer of the trainer tests and rl_step
+  "pyzmq==27.3.0"                  # the trainer imports the rollout control channel ...
+  "msgpack==1.2.4"                 # ... and its frames (declared dependencies, see pyproject)
 )
 # pip matches each manylinux tag exactly: name every one a wheel above may carry
 PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64

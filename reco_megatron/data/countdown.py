@@ -47,7 +47,13 @@ WORKED_TEMPLATE = (
     "remain, then end your response with 'Answer: <expression>'."
 )
 """The ``worked`` style's prompt (only characters of the shipped SentencePiece vocabulary)."""
-CountdownStyle = Literal["answer", "worked"]
+CALCULATOR_TEMPLATE = (
+    "Using the numbers {numbers}, write an expression that equals {target}. The calculator "
+    "answers '<3 * 4=' with '12>'. End your response with 'Answer: <expression>'."
+)
+"""The ``calculator`` style's prompt: the ``calculator`` environment
+(:mod:`reco_megatron.envs.calculator`) evaluates ``<expression=`` and returns ``value>``."""
+CountdownStyle = Literal["answer", "worked", "calculator"]
 STYLES: tuple[str, ...] = get_args(CountdownStyle)
 """The response styles of :func:`generate`."""
 _GOLD_RE = re.compile(r"target=(-?\d+) numbers=(\d+(?:,\d+)*)")
@@ -65,13 +71,17 @@ class Problem:
 
     @property
     def prompt(self) -> str:
-        template = WORKED_TEMPLATE if self.style == "worked" else PROMPT_TEMPLATE
+        template = {"worked": WORKED_TEMPLATE, "calculator": CALCULATOR_TEMPLATE}.get(
+            self.style, PROMPT_TEMPLATE
+        )
         return template.format(numbers=list(self.numbers), target=self.target)
 
     def response(self, solution: str) -> str:
         """The warm-up's response text for one of :attr:`solutions` in this style."""
         if self.style == "worked":
             return worked_response(self.numbers, solution)
+        if self.style == "calculator":
+            return calculator_response(solution)
         return f"Answer: {solution}"
 
     @property
@@ -206,6 +216,17 @@ def worked_response(numbers: Sequence[int], solution: str) -> str:
         pool = sorted([*pool, c])
         parts.append(f"{a} {op} {b} = {c} {pool}")
     return " ".join(parts) + f". Answer: {solution}"
+
+
+def calculator_response(solution: str) -> str:
+    """The ``calculator`` style's response: each step of :func:`worked_steps` as a calculator
+    call ``<a op b=`` with the value the environment returns (``c>``), then the answer.
+    ``"3*(4 + 5)"`` -> ``"<4 + 5=9> <3 * 9=27> Answer: 3*(4 + 5)"``."""
+    from reco_megatron.data.arith import parse_arithmetic
+
+    steps = worked_steps(canonical(parse_arithmetic(solution).tree))
+    calls = [f"<{a} {op} {b}={c}>" for a, op, b, c in steps]
+    return " ".join([*calls, f"Answer: {solution}"])
 
 
 def solution_key(expression: str) -> str | None:

@@ -11,6 +11,7 @@ initialises megatron's ``parallel_state``.
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
@@ -161,14 +162,6 @@ class ParallelConfig:
             )
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def initialize_parallel(cfg: ParallelConfig, seed: int) -> str:
     """Start ``torch.distributed`` from the torchrun environment and megatron's groups.
 
@@ -193,11 +186,11 @@ def initialize_parallel(cfg: ParallelConfig, seed: int) -> str:
                     f"WORLD_SIZE={world_size} but MASTER_PORT is not set: start the job with "
                     "torchrun (or set MASTER_ADDR/MASTER_PORT for every rank)"
                 )
-            # A plain single-process run: a free port, passed directly. Not written into
-            # os.environ, where processes started later (a trainer launched from a script or
-            # a test that exported in-process) would inherit a port this process still holds.
-            addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-            init_method = f"tcp://{addr}:{_free_port()}"
+            # A plain single-process run: a file store in a private temporary directory
+            # (mode 0700), not a TCP store, which listens on every interface and lets anyone
+            # write its keys. Nothing goes into os.environ, where processes started later (a
+            # trainer launched from a script, a test) would inherit it.
+            init_method = f"file://{tempfile.mkdtemp(prefix='reco-world-')}/store"
         if on_gpu:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(

@@ -27,7 +27,9 @@ class RolloutBatch:
     tokens: torch.Tensor
     """``[B, L]`` int64 prompt + response token ids, right-padded (any pad id)."""
     response_mask: torch.Tensor
-    """``[B, L]`` 1 on tokens the policy generated (the response), 0 on prompt and padding."""
+    """``[B, L]`` 1 on tokens the policy generated (the response), 0 on prompt and padding and,
+    in a multi-turn episode, on the observation tokens an environment appended (they stay in
+    ``tokens`` as model input, but no loss, statistic or metric counts them)."""
     advantages: torch.Tensor
     """``[B]`` group-relative advantages."""
     group_size: int
@@ -92,7 +94,7 @@ class RolloutBatch:
 
     @property
     def loss_mask(self) -> torch.Tensor:
-        """``[B, S]`` 1 where the label is a response token."""
+        """``[B, S]`` 1 where the label is a token the policy sampled (never an observation)."""
         return self.response_mask[:, 1:].float()
 
     def select(self, index: torch.Tensor | slice) -> RolloutBatch:

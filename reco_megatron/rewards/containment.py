@@ -177,13 +177,19 @@ def keeper_main(parent_pid: int, fd: int, scorer: Callable[[int], None]) -> None
 
 
 # ---------------------------------------------------------------- the pool's side
-def start_worker(env: dict[str, str], first_message: object) -> tuple[subprocess.Popen, Connection]:
+def start_worker(
+    env: dict[str, str],
+    first_message: object,
+    module: str = "reco_megatron.rewards._worker",
+) -> tuple[subprocess.Popen, Connection]:
     """Start a keeper (in a session of its own) with ``env``; send ``first_message`` to its
-    scorer. Returns the keeper's process and the pool's end of the socket."""
+    scorer. ``module``: the worker's entry point (``python -m module FD PARENT_PID``; the
+    environments' workers reuse this machinery). Returns the keeper's process and the pool's
+    end of the socket."""
     parent_sock, child_sock = socket.socketpair()
     fd = child_sock.fileno()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "reco_megatron.rewards._worker", str(fd), str(os.getpid())],
+        [sys.executable, "-m", module, str(fd), str(os.getpid())],
         pass_fds=(fd,),
         env=env,
         stdin=subprocess.DEVNULL,

@@ -105,11 +105,24 @@ class Completion:
     int16, the experts each position of ``prompt + token_ids`` was routed to in each MoE layer
     (``-1`` where the engine did not run the position, e.g. the last token)."""
 
+    loss_mask: list[int] | None = None
+    """``[T]`` for a multi-turn episode (``reco_megatron.envs``): 1 on the tokens the policy
+    sampled, 0 on the tokens an environment appended (observations, whose ``logprobs`` entries
+    are 0 and mean nothing). ``None``: every token is the policy's (a single-turn response)."""
+
     def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.logprobs):
             raise ValueError(
                 f"completion of prompt {self.prompt_index}: {len(self.token_ids)} tokens but "
                 f"{len(self.logprobs)} log-probs"
+            )
+        mask = self.loss_mask
+        if mask is not None and (
+            len(mask) != len(self.token_ids) or any(m not in (0, 1) for m in mask)
+        ):
+            raise ValueError(
+                f"completion of prompt {self.prompt_index}: loss_mask must hold one 0/1 per "
+                f"token ({len(self.token_ids)}), got {len(mask)} entries"
             )
         if self.finish_reason not in FINISH_REASONS:
             raise ValueError(

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import datetime
 import os
 import queue
 import signal
@@ -38,8 +37,14 @@ from typing import Any
 
 import torch
 
-from reco_megatron.rollout.weight_transport import PushPlan, receive_push, weight_group
-from reco_megatron.rollout.worker_link import Link, connect
+from reco_megatron.rollout.address import AddressError
+from reco_megatron.rollout.weight_transport import (
+    PushPlan,
+    check_members,
+    receive_push,
+    weight_group,
+)
+from reco_megatron.rollout.worker_link import Link, PeerGone, Refused, connect
 from reco_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -110,6 +115,9 @@ class Worker:
         self.link = link
         self.timeout = float(setup["timeout_s"])
         self.plan = PushPlan.from_json(setup["plan"])
+        self.digest = setup["plan_digest"]
+        if self.plan.digest() != self.digest:
+            raise ValueError("the setup's push plan does not match its digest")
         self.expected = {k: tuple(v) for k, v in setup["expected"].items()}
         self.device = torch.device(setup["transport_device"])
         self.requests: queue.Queue[dict[str, Any] | None] = queue.Queue()
@@ -118,12 +126,8 @@ class Worker:
         self.idle_since = time.monotonic()
         self.fatal: str | None = None
         self.watch = GenerationWatch(float(setup["generate_timeout_s"]))
-        store = torch.distributed.TCPStore(
-            setup["store_host"],
-            int(setup["store_port"]),
-            is_master=False,
-            timeout=datetime.timedelta(seconds=self.timeout),
-        )
+        # the run's private directory (mode 0700): no one else can reach this rendezvous
+        store = torch.distributed.FileStore(setup["store_path"], -1)
         self.group = weight_group(
             store,
             setup["group_prefix"],
@@ -133,6 +137,10 @@ class Worker:
             timeout_s=float(setup["receive_timeout_s"]),
             device=self.device if self.device.type == "cuda" else None,
         )
+        check_members(
+            self.group, self.plan.senders, range(self.plan.senders), setup["worker_token"],
+            setup["trainer_token"], self.device, receive_first=False,
+        )  # fmt: skip
         spec = dict(setup["engine"])
         if spec.get("device") == "auto":
             spec["device"] = "cuda" if torch.cuda.is_available() else "cpu"
@@ -152,7 +160,15 @@ class Worker:
             if kind == "generate":
                 self.requests.put(msg)
             elif kind == "weights":
-                self._receive(int(msg["version"]))
+                if msg["plan_digest"] != self.digest:
+                    self.fatal = (
+                        f"weight push of version {msg['version']} announced push plan "
+                        f"{msg['plan_digest'][:12]}, this worker holds {self.digest[:12]}: "
+                        "nothing was received"
+                    )
+                    self.requests.put(None)
+                    return
+                self._receive(msg["version"])
             elif kind == "stop":
                 self.requests.put(None)
                 return
@@ -171,7 +187,9 @@ class Worker:
             self.requests.put(None)
             return
         self.staged.put(version, tensors)
-        self.link.send({"kind": "received", "version": version, "s": time.perf_counter() - start})
+        took = time.perf_counter() - start
+        msg = {"kind": "received", "version": version, "s": took, "plan_digest": self.digest}
+        self.link.send(msg)
 
     # ------------------------------------------------------------ generation (main thread)
     def serve_requests(self) -> None:
@@ -179,7 +197,9 @@ class Worker:
             request = self.requests.get()
             if request is None:
                 if self.fatal:
+                    logger.error("rollout worker %d: %s; exiting", self.id, self.fatal)
                     self.link.send({"kind": "error", "request": None, "message": self.fatal})
+                    time.sleep(0.5)  # let the message leave before the process does
                 return
             idle = time.monotonic() - self.idle_since
             try:
@@ -236,18 +256,16 @@ class Worker:
 def _own_world() -> None:
     """A one-process default group: vLLM's external launcher (how the engine runs vLLM in
     its own process, colocated or not) builds its groups inside an initialised world."""
-    import socket
+    import tempfile
 
     import torch.distributed as dist
 
     if dist.is_initialized():
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     if torch.cuda.is_available():
         torch.cuda.set_device(0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    store = Path(tempfile.mkdtemp(prefix="reco-world-")) / "store"  # mode 0700: private
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
 
 
 def _die_with_parent() -> None:
@@ -298,15 +316,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.spawned:
         _die_with_parent()
     signal.signal(signal.SIGTERM, lambda *_: os._exit(128 + signal.SIGTERM))
-    _, conn = connect(args.address, args.connect_timeout)
-    link = Link(conn, "trainer").start()
     hello = {"kind": "hello", "worker": args.worker_id, "pid": os.getpid()}
-    link.send({**hello, "cuda": torch.cuda.is_available()})
+    try:
+        link = connect(
+            args.address, args.connect_timeout, {**hello, "cuda": torch.cuda.is_available()}
+        )
+    except (AddressError, Refused) as exc:  # one line: a file not to trust, or the reason
+        logger.error("rollout worker %d: %s", args.worker_id, exc)
+        return 2
+    except PeerGone as exc:
+        logger.error("rollout worker %d: %s", args.worker_id, exc)
+        return EXIT_TRAINER_GONE
     setup = link.receive(args.connect_timeout, "the trainer's setup")
     if setup.get("kind") != "setup":
-        raise SystemExit(f"rollout worker {args.worker_id}: expected setup, got {setup!r}")
+        logger.error("rollout worker %d: expected setup, got %r", args.worker_id, setup["kind"])
+        return EXIT_TRAINER_GONE
     holder: list[Worker | None] = [None]
-    timeout = float(setup["timeout_s"])
+    timeout = setup["timeout_s"]
     beat = threading.Thread(
         target=_beat, args=(link, holder, float(setup["heartbeat_s"]), timeout), daemon=True
     )
@@ -317,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         link.send({"kind": "error", "request": None, "message": f"start-up: {exc}"})
         raise
     holder[0] = worker
-    link.send({"kind": "ready", "worker": args.worker_id})
+    link.send({"kind": "ready", "worker": args.worker_id, "plan_digest": worker.digest})
     control = threading.Thread(target=worker.serve_control, name="control", daemon=True)
     control.start()
     worker.serve_requests()

@@ -1,142 +1,110 @@
-"""The control channel between the trainer and a rollout worker.
+"""The worker's end of the control channel to the trainer.
 
-One authenticated TCP connection per worker (:mod:`multiprocessing.connection`, HMAC
-challenge with a key only the run's processes know) carries small pickled dicts, each with
-a ``kind``: the worker's ``hello``, ``ready``, ``heartbeat``, ``result``, ``error`` and
-``hung`` (its generation overran ``rollout.generate_timeout_s``; it exits next); the
-trainer's ``setup``, ``generate``, ``weights`` (a push follows on the weight group), ``ping``
-and ``stop``. Tensors never travel here (the weights go over the weight group,
-:mod:`.weight_transport`). Each side reads in a thread of its own, so a side busy computing
-still answers and notices a peer that is gone: a closed connection at once, a silent one
-after the timeout.
+:func:`connect` reads the run's address file (:mod:`.address`: it refuses one that is not the
+user's own, is open to others, or is malformed, in one line), opens a CURVE DEALER socket with
+the run's keys (the trainer must prove the server key; the worker proves the workers' key),
+sends its ``hello`` and waits a bounded time for ``welcome`` or ``refused`` (the reason is
+raised as :class:`Refused`). It retries, re-reading the file, while the file does not exist
+or names a trainer that does not answer (a previous run's) until its timeout, and then names
+what it waited for.
 
-The trainer publishes where to connect in ``<output_dir>/rollout/address.json`` (mode 0600:
-it holds the key), which is how workers on other nodes of a job find it.
+:class:`Link` then carries the frames (:mod:`.wire`: msgpack, schema-checked, bounded): the
+worker's ``ready``, ``heartbeat``, ``result``, ``error``, ``hung``, ``received``; the trainer's
+``setup``, ``generate``, ``weights`` (a push follows on the weight group), ``ping``, ``stop``.
+Tensors never travel here (the weights go over the weight group, :mod:`.weight_transport`).
+An I/O thread reads, so a worker busy computing still answers, and notices a trainer that is
+gone: a closed connection at once (a monitor event), a silent one after the timeout.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import queue
-import secrets
-import socket
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from multiprocessing import AuthenticationError
-from multiprocessing.connection import Client, Connection
 from pathlib import Path
 from typing import Any
 
-ADDRESS_FILE = "address.json"
+import zmq
+
+from reco_megatron.rollout.address import ADDRESS_FILE, Address, check_private_dir
+from reco_megatron.rollout.channel import HANDSHAKE_S, Pump, secure
+from reco_megatron.rollout.hub import PeerGone
+from reco_megatron.rollout.wire import WireError, decode, encode
+from reco_megatron.utils.logging import get_logger
+
+__all__ = ["ADDRESS_FILE", "WORKER_MODULE", "Link", "PeerGone", "Refused", "connect"]
+
+logger = get_logger(__name__)
 WORKER_MODULE = "reco_megatron.rollout.worker"
+_ANSWER_S = HANDSHAKE_S + 5.0
+"""How long one attempt waits for the trainer's answer to its hello."""
 
 
-@dataclass(frozen=True)
-class Address:
-    """Where a worker finds the trainer."""
-
-    host: str
-    port: int
-    authkey: str
-    """Hex key of the HMAC challenge."""
-    run_id: str
-
-    def write(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(self.__dict__, f)
-        tmp.replace(path)
-
-    @classmethod
-    def read(cls, path: Path) -> Address:
-        data = json.loads(path.read_text())
-        if not isinstance(data, dict) or set(data) != {"host", "port", "authkey", "run_id"}:
-            raise ValueError(f"{path}: not a rollout address file (keys {sorted(data)!r})")
-        return cls(str(data["host"]), int(data["port"]), str(data["authkey"]), str(data["run_id"]))
-
-
-def new_authkey() -> str:
-    return secrets.token_hex(32)
-
-
-def this_host() -> str:
-    """An address of this node that the job's other nodes can reach (its hostname's
-    address; 127.0.0.1 when the name does not resolve)."""
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
-
-
-class PeerGone(ConnectionError):
-    """The other side closed the connection or stayed silent past the timeout."""
+class Refused(ConnectionError):
+    """The trainer answered the hello with ``refused``; the message is its reason."""
 
 
 class Link:
-    """One end of a control connection: thread-safe ``send``, messages read by a background
-    thread into a queue (``receive`` with a timeout), and the time the peer was last heard."""
+    """The worker's connection: thread-safe ``send``, messages into ``inbox`` (``receive``
+    with a timeout), and the time the trainer was last heard."""
 
-    def __init__(
-        self,
-        conn: Connection,
-        name: str,
-        inbox: queue.Queue[dict[str, Any]] | None = None,
-        tag: int | None = None,
-        on_beat: Callable[[dict[str, Any]], None] | None = None,
-    ) -> None:
-        """``inbox``: a queue shared with other links (messages then carry ``"_from": tag``);
-        None: a queue of its own. ``on_beat`` is called from the reader thread with each
-        ping / heartbeat (they are not queued)."""
-        self.conn = conn
-        self.name = name
-        self.tag = tag
+    def __init__(self, address: Address, on_beat: Callable[[dict[str, Any]], None] | None = None):
+        self.name = "trainer"
+        self.address = address
         self.on_beat = on_beat or (lambda msg: None)
-        self.inbox: queue.Queue[dict[str, Any]] = inbox if inbox is not None else queue.Queue()
+        self.inbox: queue.Queue[dict[str, Any]] = queue.Queue()
         self.last_heard = time.monotonic()
-        self.closed: str | None = None  # why the peer is gone, once it is
-        self._send_lock = threading.Lock()
-        self._reader = threading.Thread(target=self._read, name=f"link-{name}", daemon=True)
+        self.closed: str | None = None
+        self._welcomed = False
+        self.ctx = zmq.Context()
+        sock = secure(self.ctx.socket(zmq.DEALER))
+        sock.curve_serverkey = address.server_key.encode()
+        sock.curve_publickey = address.client_public.encode()
+        sock.curve_secretkey = address.client_secret.encode()
+        sock.setsockopt(zmq.RECONNECT_IVL, 500)
+        host = f"[{address.host}]" if ":" in address.host else address.host
+        if ":" in address.host:
+            sock.setsockopt(zmq.IPV6, 1)
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        sock.connect(f"tcp://{host}:{address.port}")
+        self.pump = Pump(
+            self.ctx, sock, "worker", self._on_frames, self._on_send_error, monitor, self._gone
+        )
 
-    def start(self) -> Link:
-        self._reader.start()
-        return self
+    def _on_frames(self, frames: list[bytes]) -> None:
+        if len(frames) != 1:
+            return
+        try:
+            msg = decode(frames[0])
+        except WireError as exc:
+            logger.error("rollout worker: dropped a malformed frame from the trainer: %s", exc)
+            return
+        self.last_heard = time.monotonic()
+        if msg["kind"] == "welcome":
+            self._welcomed = True
+        if msg["kind"] == "ping":
+            self.on_beat(msg)
+            return
+        self.inbox.put(msg)
 
-    def _read(self) -> None:
-        while True:
-            try:
-                msg = self.conn.recv()
-            except (EOFError, OSError) as exc:
-                self.closed = f"connection closed ({type(exc).__name__})"
-                self.inbox.put({"kind": "gone", "why": self.closed, "_from": self.tag})
-                return
-            self.last_heard = time.monotonic()
-            if not isinstance(msg, dict):
-                continue  # only the run's processes hold the key; ignore what is not ours
-            if msg.get("kind") in ("ping", "heartbeat"):
-                self.on_beat(msg)
-                continue
-            msg["_from"] = self.tag
-            self.inbox.put(msg)
+    def _on_send_error(self, frames: list[bytes], exc: Exception) -> None:
+        self._gone({"why": f"send failed ({exc})"})
+
+    def _gone(self, event: dict[str, Any]) -> None:
+        if not self._welcomed or self.closed:
+            return  # before the welcome, connect() retries
+        self.closed = str(event.get("why", "connection closed"))
+        self.inbox.put({"kind": "gone", "why": self.closed})
 
     def send(self, msg: dict[str, Any]) -> None:
         if self.closed:
             raise PeerGone(f"{self.name}: {self.closed}")
-        try:
-            with self._send_lock:
-                self.conn.send(msg)
-        except (OSError, ValueError) as exc:
-            self.closed = f"send failed ({type(exc).__name__}: {exc})"
-            raise PeerGone(f"{self.name}: {self.closed}") from exc
+        self.pump.send([encode(msg)])
 
     def receive(self, timeout: float, waiting_for: str) -> dict[str, Any]:
         """The next message, or :class:`PeerGone` naming ``waiting_for`` after ``timeout`` s
-        of silence (heartbeats count as life but are not returned)."""
+        of silence (pings count as life but are not returned)."""
         deadline = time.monotonic() + timeout
         while True:
             left = min(deadline, self.last_heard + timeout) - time.monotonic()
@@ -156,25 +124,45 @@ class Link:
 
     def close(self) -> None:
         self.closed = self.closed or "closed here"
-        with contextlib.suppress(OSError):
-            self.conn.close()
+        with contextlib.suppress(Exception):
+            self.pump.close()
+        with contextlib.suppress(Exception):
+            self.ctx.destroy(linger=0)
 
 
-def connect(address_file: Path, timeout: float) -> tuple[Address, Connection]:
-    """Connect to the trainer named in ``address_file``, retrying (the file may not exist
-    yet, or still be a previous run's) until ``timeout`` s have passed."""
+def connect(address_file: Path, timeout: float, hello: dict[str, Any]) -> Link:
+    """A link to the trainer named in ``address_file`` that answered ``hello`` with
+    ``welcome``, retrying until ``timeout`` s have passed. Raises :class:`AddressError` for a
+    file it must not trust, :class:`Refused` when the trainer refused this worker, and
+    :class:`PeerGone` naming what it waited for at the timeout."""
     deadline = time.monotonic() + timeout
-    last = "the address file does not exist yet"
+    last = f"{address_file} does not exist yet"
     while time.monotonic() < deadline:
         try:
+            check_private_dir(address_file.parent)
             address = Address.read(address_file)
-            conn = Client((address.host, address.port), authkey=bytes.fromhex(address.authkey))
-            return address, conn
         except FileNotFoundError:
             last = f"{address_file} does not exist yet"
-        except (OSError, ValueError, EOFError, AuthenticationError) as exc:  # refused, old key
-            last = f"{type(exc).__name__}: {exc}"
-        time.sleep(0.5)
+            time.sleep(0.5)
+            continue
+        link = Link(address)
+        link.send({**hello, "run_id": address.run_id})
+        wait = max(0.1, min(_ANSWER_S, deadline - time.monotonic()))
+        try:
+            answer = link.inbox.get(timeout=wait)
+        except queue.Empty:
+            answer = None
+        if answer is not None and answer["kind"] == "welcome":
+            return link
+        link.close()
+        if answer is not None and answer["kind"] == "refused":
+            raise Refused(f"the trainer at {address.host}:{address.port} refused this worker: "
+                          f"{answer['why']}")  # fmt: skip
+        last = (
+            f"the trainer at {address.host}:{address.port} (run {address.run_id}) did not "
+            f"answer within {wait:.0f} s (a stale address file, or a port that is not the "
+            "trainer's)"
+        )
     raise PeerGone(
         f"no trainer to connect to within {timeout:.0f} s through {address_file}: {last}"
     )

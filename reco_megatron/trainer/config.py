@@ -227,6 +227,14 @@ class TrainConfig:
                 "group; set eval.interval=0 (and run reco-eval on a checkpoint) or use "
                 "rollout.engine=embedded"
             )
+        if self.rollout.env and p.expert_model_parallel_size > 1:
+            raise ValueError(
+                f"rollout.env={self.rollout.env!r} with rollout.engine=megatron and "
+                f"parallel.expert_model_parallel_size={p.expert_model_parallel_size}: episodes "
+                "make as many engine calls as their turns need, which differ between the "
+                "data-parallel ranks an expert-parallel group joins; set "
+                "expert_model_parallel_size=1 or use rollout.engine=vllm"
+            )
 
     def _check_token_budget(self) -> None:
         """A token budget must hold the longest prompt + response (rounded up to the length

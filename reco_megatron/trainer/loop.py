@@ -27,11 +27,12 @@ from reco_megatron.trainer import setup
 from reco_megatron.trainer.config import TrainConfig
 from reco_megatron.trainer.lifecycle import EXIT_RESUMABLE, RunLife, StopSignals
 from reco_megatron.trainer.orchestration import (
+    PushMismatch,
     RolloutSource,
     StepScorer,
     WorkerLost,
-    build_rollout_batch,
     build_rollout_source,
+    completions_batch,
 )
 from reco_megatron.trainer.preflight import Checked, preflight
 from reco_megatron.trainer.reporting import (
@@ -123,20 +124,13 @@ class Trainer:
         texts = [self.tokenizer.decode(c.token_ids) for c in completions]
         golds = [gold for gold in got.golds for _ in range(g)]
         rewards, reward_metrics, failures = self.scorer.score(self.step + 1, texts, golds)
+        rewards = got.episode_rewards(rewards)  # multi-turn: per-turn rewards, failed -> 0
         advantages, adv_metrics = group_advantages(
             rewards, g, cfg.loss.advantage_mode, eps=cfg.loss.advantage_eps
         )
         times["time_reward"] = time.perf_counter() - t0
 
-        batch = build_rollout_batch(
-            got.prompts,
-            [c.token_ids for c in completions],
-            [c.logprobs for c in completions],
-            advantages,
-            g,
-            self.tokenizer.pad_id,
-            routed_experts=[c.routed_experts for c in completions],
-        )
+        batch = completions_batch(got.prompts, completions, advantages, g, self.tokenizer.pad_id)
         self.rollout.before_update()
         prepared, prep = self.engine.prepare(batch)
         times["time_old_logprob"] = prep.pop("time_old_logprob", float("nan"))
@@ -146,7 +140,7 @@ class Trainer:
         self.step += 1
         times.update(self.rollout.after_update(self.step))  # the new weights to the rollouts
 
-        local = rollout_counters(rewards, got.completions, g)
+        local = rollout_counters(rewards, got.completions, g) | got.counters
         local["rollout_mp_divergence_sum"] = float(got.diverged)
         row = global_row(
             self.step, local, steps, prep, reward_metrics, adv_metrics, self.engine, self.layout
@@ -196,7 +190,7 @@ class Trainer:
             while self.step < max_steps:
                 try:
                     row = self.train_step()
-                except WorkerLost as exc:  # every rank raises it at the same step
+                except (WorkerLost, PushMismatch) as exc:  # every rank, at the same step
                     logger.error("reco-train: %s; stopping resumably at step %d", exc, self.step)
                     if self.life.unsaved_progress:
                         self.save()

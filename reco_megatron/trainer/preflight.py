@@ -9,7 +9,8 @@ on this machine (heads and layers over TP / PP; CUDA or not), every batch split 
 on the data-parallel size (prompts over mini-batches and ranks, sequences over micro-batches,
 a virtual pipeline's share, the SFT batch), the tokenizer (and the vocabulary against it), the
 prompt files (read and validated row by row, so a bad row is reported with its file and line),
-the held-out file, the reward spec (importable) and the initial checkpoint (read from disk).
+the held-out file, the reward spec (importable), the environment (``rollout.env``, importable)
+and the initial checkpoint (read from disk).
 All problems found are raised together as one :class:`~reco_megatron.config.ConfigError`,
 which ``reco-train`` turns into exit status 2 and its message, with no output directory left
 behind.
@@ -235,6 +236,17 @@ def _reward(cfg: TrainConfig, gold: str | None, problems: list[str]) -> None:
         problems.append(bad)
 
 
+def _env(cfg: TrainConfig, problems: list[str]) -> None:
+    """``rollout.env`` imports and names an environment class (built in the workers later)."""
+    if cfg.rollout.env:
+        from reco_megatron.envs import EnvSpecError, resolve_env
+
+        try:
+            resolve_env(cfg.rollout.env)
+        except EnvSpecError as exc:
+            problems.append(str(exc))
+
+
 def _checkpoint(cfg: TrainConfig, problems: list[str]) -> None:
     from reco_megatron.trainer.setup import saved_model_layout
 
@@ -333,6 +345,7 @@ def _files(cfg: TrainConfig, problems: list[str]) -> tuple[Tokenizer | None, Pro
     if tokenizer is not None and not cfg.data.train_path:
         gold = _countdown(cfg, tokenizer, problems)
     _checkpoint(cfg, problems)
+    _env(cfg, problems)
     if not problems:  # a trial call only on a run that could otherwise start
         _reward(cfg, gold, problems)
     return tokenizer, dataset

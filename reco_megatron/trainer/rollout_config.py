@@ -8,6 +8,7 @@ most ``max_staleness`` steps old (docs/rollout.md, "Separate placement").
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -55,6 +56,24 @@ class RolloutConfig:
     returns, so the update gets that memory back (and the next generation allocates and
     captures again): set it when the update runs out of memory next to the cache."""
 
+    env: str = ""
+    """Multi-turn episodes: the environment every response is an episode of (a built-in name
+    such as ``calculator``, ``module:Class`` or ``path/to/file.py:Class``; docs/howto.md,
+    "Write your own environment"). Empty: single-turn responses. ``max_new_tokens`` then
+    bounds the whole episode (actions and observations)."""
+    max_turns: int = 8
+    """``env``: most actions per episode (the episode ends after the ``max_turns``-th)."""
+    env_workers: int = 8
+    """``env``: isolated worker processes running the environments; at most this many
+    environment steps run at once (steps of episodes in different workers overlap)."""
+    env_step_timeout_s: float = 30.0
+    """``env``: time limit of one ``reset`` or ``step`` call; past it the worker is killed and
+    replaced, and the episode scores 0 (counted in ``env_timeout_sum``)."""
+    turn_discount: float = 1.0
+    """``env``: per-turn rewards (``Step.reward``) count ``turn_discount**k`` at turn k
+    (0-based) and are added to the reward function's score of the whole episode; 1.0 sums
+    them."""
+
     placement: Placement = "colocated"
     """``colocated``: every step generates on the trainer's ranks, then trains (one after the
     other). ``separate``: ``num_workers`` rollout workers, each one engine in its own process
@@ -88,6 +107,12 @@ class RolloutConfig:
     """A dead worker: ``stop`` saves a checkpoint and exits 75 (resumable) naming it;
     ``continue`` hands its groups to the others and trains on (the run stops when none is
     left)."""
+    bind_address: str = "auto"
+    """``placement=separate``: the address (an IP of this node) the trainer's control port
+    listens on. ``auto``: loopback when the trainer spawns every worker
+    (``worker_launch=spawn``), this node's address (its hostname's) for external workers on
+    other nodes; never every interface (``0.0.0.0`` only when named here). Only processes
+    holding the run's keys (``rollout/address.json``) get in either way."""
     weight_bucket_mb: int = 256
     """Weight push to the workers: tensors travel in flat buckets of about this many MiB."""
 
@@ -134,7 +159,40 @@ class RolloutConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"rollout.{name} must be a positive integer, got {value!r}")
+        self._check_env()
         self._check_placement()
+        if self.bind_address != "auto":
+            try:
+                ipaddress.ip_address(self.bind_address)
+            except ValueError:
+                raise ValueError(
+                    f"rollout.bind_address must be 'auto' or an IP address of this node, got "
+                    f"{self.bind_address!r} (e.g. 10.0.0.12, 127.0.0.1)"
+                ) from None
+
+    def _check_env(self) -> None:
+        for name in ("max_turns", "env_workers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"rollout.{name} must be a positive integer, got {value!r}")
+        timeout = self.env_step_timeout_s
+        if isinstance(timeout, bool) or not (isinstance(timeout, int | float) and timeout > 0):
+            raise ValueError(
+                f"rollout.env_step_timeout_s must be a number of seconds > 0, got {timeout!r}"
+            )
+        gamma = self.turn_discount
+        if isinstance(gamma, bool) or not (isinstance(gamma, int | float) and 0 < gamma <= 1):
+            raise ValueError(
+                f"rollout.turn_discount must be in (0, 1] (1.0 sums per-turn rewards), got "
+                f"{gamma!r}"
+            )
+        if not isinstance(self.env, str):
+            raise ValueError(f"rollout.env must be a string (module:Class), got {self.env!r}")
+        if self.env and self.placement == "separate":
+            raise ValueError(
+                f"rollout.env={self.env!r} with rollout.placement=separate: multi-turn episodes "
+                "run colocated only for now; set rollout.placement=colocated"
+            )
 
     @property
     def staleness_bound(self) -> int:

@@ -156,7 +156,9 @@ class CountdownConfig:
     """``answer``: the response is ``Answer: <expression>`` (10-25 tokens); ``worked``: each
     step ``a op b = c`` with the numbers that remain, then the answer (50-100 tokens; grade it
     with ``reward.reward=countdown_worked`` and give it ``rollout.max_new_tokens=96``, prompts
-    of up to 105 tokens and ``model.max_position_embeddings`` to match)."""
+    of up to 105 tokens and ``model.max_position_embeddings`` to match); ``calculator``: the
+    steps as calculator calls ``<a op b=c>`` whose values the ``calculator`` environment
+    returns (``rollout.env=calculator``, ``examples/calculator_cpu.yaml``), then the answer."""
 
     def generate_kwargs(self) -> dict[str, object]:
         """Keyword arguments of :func:`reco_megatron.data.countdown.generate`."""

@@ -37,6 +37,14 @@ TINY = ROOT / "examples" / "tiny_cpu.yaml"  # prompts up to 80 tokens, responses
         ),
         (["rollout.prompts_per_step=5"], "must be divisible by update.minibatches_per_rollout"),
         (["rollout.max_new_tokens=4096"], "exceeds model.max_position_embeddings"),
+        (
+            [
+                "rollout.env=calculator",
+                "rollout.engine=megatron",
+                "parallel.expert_model_parallel_size=2",
+            ],
+            "set expert_model_parallel_size=1 or use rollout.engine=vllm",
+        ),
     ],
 )
 def test_a_cross_section_problem_is_refused_on_load(overrides: list[str], expected: str) -> None:

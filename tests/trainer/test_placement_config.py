@@ -16,6 +16,12 @@ from tests.trainer.test_bad_config import _refused
         (["rollout.placement=separate"], "set loss.tis_cap (2.0 is the usual cap)"),
         (["rollout.placement=separate", "rollout.max_staleness=-1"], "got -1"),
         (
+            ["rollout.placement=separate", "rollout.max_staleness=0",
+             "rollout.bind_address=node7.cluster"],
+            "rollout.bind_address must be 'auto' or an IP address of this node, got "
+            "'node7.cluster'",
+        ),
+        (
             ["rollout.placement=separate", "rollout.max_staleness=0", "eval.interval=5"],
             "eval.interval=5 with rollout.placement=separate",
         ),
@@ -65,3 +71,16 @@ def test_the_generation_watch_names_the_request_and_the_bound() -> None:
     assert "rollout.generate_timeout_s=30" in why
     watch.end()
     assert watch.overdue(now=start + 1000) is None
+
+
+def test_the_control_port_binds_loopback_or_this_node_never_every_interface() -> None:
+    from reco_megatron.trainer.orchestration.workers import bind_address, this_host
+    from reco_megatron.trainer.rollout_config import RolloutConfig
+
+    def cfg(**kw) -> RolloutConfig:
+        return RolloutConfig(placement="separate", max_staleness=0, **kw)
+
+    assert bind_address(cfg()) == ("127.0.0.1", "127.0.0.1")  # spawned workers: this node
+    assert bind_address(cfg(worker_launch="external")) == (this_host(), this_host())
+    assert bind_address(cfg(bind_address="10.1.2.3")) == ("10.1.2.3", "10.1.2.3")
+    assert bind_address(cfg(bind_address="0.0.0.0")) == ("0.0.0.0", this_host())  # named only

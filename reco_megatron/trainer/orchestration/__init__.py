@@ -8,11 +8,12 @@ and the responses turned into the batch the engine trains on. The rest of the tr
 the names below, never a module of this folder.
 """
 
+from reco_megatron.rollout.weight_transport import PushMismatch
 from reco_megatron.trainer.orchestration.agreement import (
     agree_on_completions,
     completions_fingerprint,
 )
-from reco_megatron.trainer.orchestration.batch import build_rollout_batch
+from reco_megatron.trainer.orchestration.batch import build_rollout_batch, completions_batch
 from reco_megatron.trainer.orchestration.engines import (
     build_rollout_source,
     warn_if_colocation_overflows,
@@ -31,6 +32,7 @@ from reco_megatron.trainer.orchestration.workers import WorkerLost
 
 __all__ = [
     "PromptSource",
+    "PushMismatch",
     "RolloutClient",
     "RolloutSource",
     "StepPrompts",
@@ -40,6 +42,7 @@ __all__ = [
     "agree_on_completions",
     "build_rollout_batch",
     "build_rollout_source",
+    "completions_batch",
     "completions_fingerprint",
     "prompt_seed",
     "warn_if_colocation_overflows",

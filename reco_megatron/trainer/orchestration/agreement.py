@@ -27,7 +27,8 @@ _warned: dict[str, bool] = {"diverged": False}
 
 
 def completions_fingerprint(completions: list[list[Completion]]) -> torch.Tensor:
-    """``[4]`` int64: the sha256 of every response's token ids and finish reason, in order.
+    """``[4]`` int64: the sha256 of every response's token ids, finish reason and (episodes)
+    loss mask, in order.
 
     Log-probs are left out: engines may differ in them by float noise, and the trainer
     recomputes the old policy's log-probs itself; the tokens are what every stage embeds.
@@ -39,6 +40,8 @@ def completions_fingerprint(completions: list[list[Completion]]) -> torch.Tensor
             digest.update(struct.pack("<q", len(c.token_ids)))
             digest.update(struct.pack(f"<{len(c.token_ids)}q", *c.token_ids))
             digest.update(c.finish_reason.encode())
+            if c.loss_mask is not None:  # which tokens an environment wrote
+                digest.update(bytes(c.loss_mask))
     return torch.tensor(struct.unpack("<4q", digest.digest()), dtype=torch.int64)
 
 

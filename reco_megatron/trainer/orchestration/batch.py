@@ -4,6 +4,10 @@ Alignment (the classic off-by-one): row ``i`` holds ``tokens = prompt + response
 token ``k`` sits at position ``p + k`` (``p`` = prompt length) and is predicted from position
 ``p + k - 1``, so its rollout log-prob goes to label index ``p + k - 1`` of the ``[B, L-1]``
 per-token tensors, and ``response_mask[p + k] = 1``.
+
+Multi-turn episodes (``reco_megatron.envs``) carry a per-token loss mask: observation tokens
+the environment appended stay in ``tokens`` (the model reads them) but get
+``response_mask = 0`` and rollout log-prob 0, so no loss, statistic or metric counts them.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from reco_megatron.parallel.batch import RolloutBatch
+from reco_megatron.rollout.requests import Completion
 
 
 def build_rollout_batch(
@@ -24,6 +29,7 @@ def build_rollout_batch(
     pad_id: int,
     pad_to_multiple: int = 8,
     routed_experts: Sequence[torch.Tensor | None] | None = None,
+    loss_masks: Sequence[Sequence[int] | None] | None = None,
 ) -> RolloutBatch:
     """A right-padded batch of ``len(responses)`` rows (group-major, ``G`` rows per prompt).
 
@@ -39,6 +45,9 @@ def build_rollout_batch(
             response`` (``[P + T, layers, top-k]``, from :class:`Completion`), or None; they
             become ``RolloutBatch.routed_experts`` at input positions ``0 .. L-2`` (``-1``
             where unknown, padding included).
+        loss_masks: per row, ``[T]`` 1 on the policy's tokens and 0 on an environment's
+            observation tokens (:attr:`Completion.loss_mask`), or None (all ones: a
+            single-turn response). They become ``response_mask[p : p + T]``.
     """
     n = len(responses)
     if n != len(prompts) * group_size or n != len(response_logprobs):
@@ -61,7 +70,13 @@ def build_rollout_batch(
                 f"response {i} has {r} tokens but {len(response_logprobs[i])} log-probs"
             )
         tokens[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-        mask[i, p : p + r] = 1.0
+        row_mask = None if loss_masks is None else loss_masks[i]
+        if row_mask is None:
+            mask[i, p : p + r] = 1.0
+        elif len(row_mask) != r:
+            raise ValueError(f"response {i} has {r} tokens but a loss mask of {len(row_mask)}")
+        elif r:
+            mask[i, p : p + r] = torch.tensor(row_mask, dtype=mask.dtype)
         if r:
             logprobs[i, p - 1 : p - 1 + r] = torch.tensor(response_logprobs[i])
     return RolloutBatch(
@@ -71,6 +86,27 @@ def build_rollout_batch(
         group_size=group_size,
         rollout_logprobs=logprobs,
         routed_experts=_routed(routed_experts, rows, seq),
+    )
+
+
+def completions_batch(
+    prompts: Sequence[Sequence[int]],
+    completions: Sequence[Completion],
+    advantages: torch.Tensor,
+    group_size: int,
+    pad_id: int,
+) -> RolloutBatch:
+    """:func:`build_rollout_batch` of ``completions`` (group-major, ``G`` per prompt): their
+    tokens, log-probs, routed experts and loss masks."""
+    return build_rollout_batch(
+        prompts,
+        [c.token_ids for c in completions],
+        [c.logprobs for c in completions],
+        advantages,
+        group_size,
+        pad_id,
+        routed_experts=[c.routed_experts for c in completions],
+        loss_masks=[c.loss_mask for c in completions],
     )
 
 

@@ -204,7 +204,12 @@ def build_rollout_source(
     if cfg.rollout.placement == "colocated":
         client = build_rollout_engine(cfg, tokenizer, policy.device, policy=policy)
         sync = partial(sync_weights, policy, client, cfg.model, converter)
-        return ColocatedRollout(cfg, client, sync, prompts, layout)
+        episodes = None
+        if cfg.rollout.env:
+            from reco_megatron.trainer.orchestration.episodes import EpisodeDriver
+
+            episodes = EpisodeDriver(cfg, tokenizer, client, layout.mp_group)
+        return ColocatedRollout(cfg, client, sync, prompts, layout, episodes)
     from reco_megatron.trainer.orchestration.separate import SeparateRollout
 
     spec = engine_spec(cfg, tokenizer, "auto")

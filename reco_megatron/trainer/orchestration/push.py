@@ -1,10 +1,13 @@
 """The trainer's side of the weight push to separate rollout workers.
 
-At start-up the first rank opens a key-value store for the weight groups and sends each
-worker its setup (engine settings, the push plan, the names and shapes every push must carry,
-where the store is); then every sending rank (one per pipeline stage, see
-:meth:`StageWeights.role`) and each worker form a process group of their own
-(gloo on CPU; NCCL when the trainer and the workers are on GPUs). One group per worker: a
+At start-up the first rank creates one ``FileStore`` per worker in the run's private
+directory (``<output_dir>/rollout``, mode 0700: no other user can read or write it, unlike a
+TCP store) and sends each worker its setup over the authenticated control channel (engine
+settings, the push plan and its digest, the names and shapes every push must carry, where its
+store is, and the tokens of its group); then every sending rank (one per pipeline stage, see
+:meth:`StageWeights.role`) and each worker form a process group of their own (gloo on CPU;
+NCCL when the trainer and the workers are on GPUs) and check each other's tokens before a
+push (:func:`~reco_megatron.rollout.weight_transport.check_members`). One group per worker: a
 worker that dies fails its own group only.
 
 :meth:`WeightPusher.push` is collective over the trainer's ranks: the first rank announces the
@@ -15,17 +18,25 @@ each version they received; their results carry the version that generated them.
 
 from __future__ import annotations
 
-import datetime
+import os
+import secrets
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from reco_megatron.parallel.collectives import collective_device
-from reco_megatron.rollout.weight_transport import PushPlan, send_push, weight_group
-from reco_megatron.rollout.worker_link import this_host
+from reco_megatron.rollout.weight_transport import (
+    TOKEN_BYTES,
+    PushMismatch,
+    PushPlan,
+    check_members,
+    send_push,
+    weight_group,
+)
 from reco_megatron.trainer.config import TrainConfig
 from reco_megatron.trainer.orchestration.workers import WorkerPool
 from reco_megatron.utils.logging import get_logger
@@ -90,23 +101,24 @@ class WeightPusher:
         self.role = role
         self.policy = policy
         self.pool = pool
+        self.digest = plan.digest()
         timeout = float(cfg.rollout.worker_timeout_s)
         shared: list[Any] = [None]
-        store = None
         if pool is not None:
             workers = pool.workers
             on_gpu = policy.on_gpu and all(h.cuda for h in workers.values())
             backend = "nccl" if on_gpu else "gloo"
-            store = dist.TCPStore(
-                "0.0.0.0",
-                0,
-                is_master=True,
-                wait_for_workers=False,
-                timeout=datetime.timedelta(seconds=timeout),
-            )
-            shared[0] = (this_host(), store.port, sorted(workers), backend)
-        dist.broadcast_object_list(shared, src=0)
-        host, port, self.worker_ids, self.backend = shared[0]
+            stores = {}
+            for wid in sorted(workers):
+                path = pool.dir / f"weights-{secrets.token_hex(8)}-w{wid}.store"
+                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+                stores[wid] = str(path)
+            tokens = {w: (secrets.token_bytes(TOKEN_BYTES), secrets.token_bytes(TOKEN_BYTES))
+                      for w in workers}  # fmt: skip
+            shared[0] = (stores, tokens, sorted(workers), backend)
+        dist.broadcast_object_list(shared, src=0)  # the trainer's own world (trusted)
+        stores, tokens, self.worker_ids, self.backend = shared[0]
+        self.store_files = [Path(p) for p in stores.values()] if pool is not None else []
         self.device = (
             torch.device("cuda", torch.cuda.current_device())
             if self.backend == "nccl"
@@ -119,9 +131,9 @@ class WeightPusher:
                     wid: {
                         "engine": spec,
                         "plan": plan.to_json(),
+                        "plan_digest": plan.digest(),
                         "expected": {k: list(v) for k, v in expected.items()},
-                        "store_host": host,
-                        "store_port": port,
+                        "store_path": stores[wid],
                         "group_prefix": f"{prefix}/{wid}",
                         "backend": self.backend,
                         "transport_device": "cuda" if self.backend == "nccl" else "cpu",
@@ -131,16 +143,17 @@ class WeightPusher:
                         "receive_timeout_s": timeout * (1 + len(self.worker_ids)),
                         "heartbeat_s": pool.heartbeat_s,
                         "generate_timeout_s": float(cfg.rollout.generate_timeout_s),
+                        "worker_token": tokens[wid][0],
+                        "trainer_token": tokens[wid][1],
                     }
                     for wid in self.worker_ids
                 }
             )
         self.groups: dict[int, dist.ProcessGroup] = {}
         if role.sender is not None:
-            if store is None:
-                wait = datetime.timedelta(seconds=timeout)
-                store = dist.TCPStore(host, port, is_master=False, timeout=wait)
             for wid in self.worker_ids:
+                # world size -1: the trainer deletes the file at the end, not the last member
+                store = dist.FileStore(stores[wid], -1)
                 self.groups[wid] = weight_group(
                     store,
                     f"{prefix}/{wid}",
@@ -149,7 +162,12 @@ class WeightPusher:
                     backend=self.backend,
                     timeout_s=timeout,
                 )
-        self._store = store  # the master must outlive the groups
+            for wid in self.worker_ids:  # every member is a worker this trainer admitted
+                worker_token, trainer_token = tokens[wid]
+                check_members(
+                    self.groups[wid], role.sender, [plan.senders], trainer_token, worker_token,
+                    self.device, receive_first=True,
+                )  # fmt: skip
         self.alive = list(self.worker_ids)
         logger.info(
             "weight push: %d tensor(s), %.1f MiB in %d bucket(s) from %d sender(s) to %d "
@@ -172,17 +190,28 @@ class WeightPusher:
             alive[0] = [w for w in self.pool.alive if w in self.alive]
             for wid in list(alive[0]):
                 try:
-                    self.pool.send(wid, {"kind": "weights", "version": version})
+                    msg = {"kind": "weights", "version": version, "plan_digest": self.digest}
+                    self.pool.send(wid, msg)
                 except Exception:
                     alive[0].remove(wid)
         dist.broadcast_object_list(alive, src=0)
         targets = alive[0]
-        failed = torch.zeros(len(self.worker_ids), dtype=torch.float32)
+        # one more slot: this rank's stream disagreed with the plan (every rank stops on it)
+        failed = torch.zeros(len(self.worker_ids) + 1, dtype=torch.float32)
+        mismatch = ""
         if self.role.exporter:
             stream = self.policy.stage_weights()
             if self.role.sender is not None:
                 pairs = [(self.groups[w], self.plan.senders) for w in targets]
-                _, bad = send_push(pairs, self.plan, self.role.sender, version, stream, self.device)
+                try:
+                    _, bad = send_push(
+                        pairs, self.plan, self.role.sender, version, stream, self.device
+                    )
+                except PushMismatch as exc:
+                    bad, mismatch = set(), str(exc)
+                    failed[-1] = 1.0
+                    for _ in stream:  # the rest of the export is still collective
+                        pass
                 for i in bad:
                     failed[self.worker_ids.index(targets[i])] = 1.0
             else:
@@ -194,6 +223,10 @@ class WeightPusher:
         failed = failed.to(collective_device(None))
         dist.all_reduce(failed, op=dist.ReduceOp.MAX)
         failed = failed.cpu()
+        if failed[-1] > 0:
+            raise PushMismatch(
+                mismatch or "weight push: another rank's stream disagreed with the plan"
+            )
         lost = [w for i, w in enumerate(self.worker_ids) if failed[i] > 0 and w in self.alive]
         self.alive = [w for w in self.alive if w not in lost]
         return time.perf_counter() - start, lost

@@ -89,7 +89,7 @@ class SeparateRollout:
             cfg, plan, policy.role(), policy, self.pool, spec, expected, run_id
         )
         if self.pool is not None:
-            self.pool.wait_ready()
+            self.pool.wait_ready(plan.digest())
 
     # ------------------------------------------------------------------ the protocol
     def start(self, step: int) -> None:
@@ -160,6 +160,8 @@ class SeparateRollout:
     def close(self) -> None:
         if self.pool is not None:
             self.pool.close()
+            for path in self.pusher.store_files:
+                path.unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ internals
     def _push(self, version: int) -> float:
@@ -168,7 +170,9 @@ class SeparateRollout:
         if self.book is not None:
             self.book.version = version
             for wid in lost:
-                self.book.lose(wid, f"failed to receive the weights of step {version}")
+                said = self.pool.last_word(wid) if self.pool is not None else None
+                why = f"failed to receive the weights of step {version}"
+                self.book.lose(wid, f"{why} (it said: {said})" if said else why)
         return seconds
 
     def _dispatch_ahead(self, version: int) -> None:

@@ -14,7 +14,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
 
 from reco_megatron.data.chat import PromptFormatter
 from reco_megatron.data.dataset import PromptDataset
@@ -27,6 +29,9 @@ from reco_megatron.rollout.requests import Completion
 from reco_megatron.trainer.config import TrainConfig
 from reco_megatron.trainer.orchestration.agreement import agree_on_completions
 from reco_megatron.trainer.orchestration.sync import RolloutClient
+
+if TYPE_CHECKING:
+    from reco_megatron.trainer.orchestration.episodes import EpisodeDriver
 
 
 def prompt_seed(seed: int, step: int, group: int) -> int:
@@ -50,6 +55,21 @@ class StepRollout:
     """The model-parallel ranks' engines had disagreed (colocated, per-stage engines)."""
     metrics: dict[str, float] = field(default_factory=dict)
     """The source's columns of the step's ``metrics.jsonl`` row (the same on every rank)."""
+    turn_rewards: list[list[float]] | None = None
+    """Multi-turn episodes: ``[groups][G]`` the discounted sum of the per-turn rewards."""
+    failed: list[list[bool]] | None = None
+    """Multi-turn episodes: ``[groups][G]`` an environment call failed (the episode scores 0)."""
+    counters: dict[str, float] = field(default_factory=dict)
+    """This rank's ``env_*`` counters (summed over data-parallel ranks in the step's row)."""
+
+    def episode_rewards(self, rewards: torch.Tensor) -> torch.Tensor:
+        """The rewards ``[groups * G]`` of the reward function plus the per-turn rewards,
+        0 where an environment failed (single-turn: ``rewards`` unchanged)."""
+        if self.turn_rewards is None or self.failed is None:
+            return rewards
+        turn = torch.tensor([r for grp in self.turn_rewards for r in grp], dtype=rewards.dtype)
+        failed = torch.tensor([f for grp in self.failed for f in grp], dtype=torch.bool)
+        return torch.where(failed, torch.zeros_like(rewards), rewards + turn)
 
 
 class RolloutSource(Protocol):
@@ -112,6 +132,16 @@ class PromptSource:
         before = self.sampler.state_dict()
         return StepPrompts(self.sampler.next_batch(), before)
 
+    def rows(self, indices: list[int], groups: list[int]) -> list[dict[str, Any]]:
+        """What an environment's ``reset`` reads for ``groups``: the record's ``prompt`` and
+        ``answer`` and the formatted ``prompt_ids``."""
+        prompts, _ = self.encode(indices, groups)
+        records = [self.dataset[indices[g]] for g in groups]
+        return [
+            {"prompt": rec.prompt, "answer": rec.answer, "prompt_ids": ids}
+            for rec, ids in zip(records, prompts, strict=True)
+        ]
+
     def encode(self, indices: list[int], groups: list[int]) -> tuple[list[list[int]], list[str]]:
         """Token ids and gold answers of ``groups`` (positions in ``indices``)."""
         records = [self.dataset[indices[g]] for g in groups]
@@ -137,12 +167,15 @@ class ColocatedRollout:
         sync: Callable[[], None],
         prompts: PromptSource,
         layout: RankLayout,
+        episodes: EpisodeDriver | None = None,
     ) -> None:
         self.cfg = cfg
         self.client = client
         self.sync = sync
         self.prompts = prompts
         self.layout = layout
+        self.episodes = episodes
+        """Multi-turn episodes (``rollout.env``), else None."""
 
     def start(self, step: int) -> None:
         self.sync()
@@ -152,6 +185,14 @@ class ColocatedRollout:
         mine = self.prompts.mine(len(drawn.indices), self.layout.dp_rank, self.layout.dp_size)
         prompts, golds = self.prompts.encode(drawn.indices, mine)
         seeds = [prompt_seed(self.cfg.trainer.seed, step, g) for g in mine]
+        if self.episodes is not None:
+            rows = self.prompts.rows(drawn.indices, mine)
+            got = self.episodes.run(rows, self.cfg.rollout.group_size, seeds)
+            completions, diverged = agree_on_completions(got.completions, self.layout.mp_group)
+            return StepRollout(
+                drawn.indices, got.prompts, completions, golds, diverged,
+                turn_rewards=got.turn_rewards, failed=got.failed, counters=got.metrics,
+            )  # fmt: skip
         completions = self.client.generate_seeded(prompts, self.cfg.rollout.group_size, seeds)
         completions, diverged = agree_on_completions(completions, self.layout.mp_group)
         return StepRollout(drawn.indices, prompts, completions, golds, diverged)
@@ -177,7 +218,13 @@ class ColocatedRollout:
 
     @property
     def engine(self) -> RolloutEngine:
+        if self.episodes is not None:  # the evaluation runs episodes with the tool too
+            from reco_megatron.trainer.orchestration.episodes import EpisodeEngine
+
+            return EpisodeEngine(self.episodes)  # type: ignore[return-value]
         return self.client.engine
 
     def close(self) -> None:
+        if self.episodes is not None:
+            self.episodes.close()
         self.client.close()

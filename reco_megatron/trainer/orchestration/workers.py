@@ -14,29 +14,23 @@ closes the connections, and its workers exit within seconds.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 import queue
+import socket
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from multiprocessing import AuthenticationError
-from multiprocessing.connection import Connection, Listener
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from reco_megatron.rollout.worker_link import (
-    ADDRESS_FILE,
-    WORKER_MODULE,
-    Address,
-    Link,
-    PeerGone,
-    new_authkey,
-    this_host,
-)
+from reco_megatron.rollout.address import ADDRESS_FILE, private_dir
+from reco_megatron.rollout.hub import Hub, HubLink, PeerGone
+from reco_megatron.rollout.worker_link import WORKER_MODULE
 from reco_megatron.trainer.rollout_config import RolloutConfig
 from reco_megatron.utils.logging import get_logger
 
@@ -61,7 +55,7 @@ class WorkerHandle:
     """One worker as the trainer sees it."""
 
     id: int
-    link: Link
+    link: HubLink
     pid: int
     cuda: bool
     process: subprocess.Popen[bytes] | None = None
@@ -80,17 +74,25 @@ class WorkerPool:
         self.cfg = cfg
         self.timeout = float(cfg.worker_timeout_s)
         self.heartbeat_s = max(0.2, min(5.0, self.timeout / 6))
-        self.dir = run_dir / "rollout"
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir = private_dir(run_dir / "rollout")
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()
         self.workers: dict[int, WorkerHandle] = {}
         self._closing = False
-        authkey = new_authkey()
-        self._listener = Listener(("0.0.0.0", 0), authkey=bytes.fromhex(authkey))
-        self.address = Address(this_host(), self._listener.address[1], authkey, run_id)
-        self._hellos: queue.Queue[tuple[Connection, dict[str, Any]]] = queue.Queue()
-        threading.Thread(target=self._accept, name="rollout-accept", daemon=True).start()
+        self.plan_digest = ""
+        """The push plan's digest every worker must echo (set by :meth:`wait_ready`)."""
+        bind, advertise = bind_address(cfg)
+        if bind in ("0.0.0.0", "::"):
+            logger.warning(
+                "rollout.bind_address=%s: the control port listens on every interface (only "
+                "this run's key gets in, but any host can reach it); name an interface instead",
+                bind,
+            )
+        self.hub = Hub(
+            bind, advertise, run_id, set(range(cfg.num_workers)), self.events, self._record_beat
+        )
+        self.address = self.hub.address
         self.address.write(self.dir / ADDRESS_FILE)
+        logger.info("rollout: control channel on %s (CURVE, this run's keys)", self.hub.endpoint)
         self._processes: dict[int, subprocess.Popen[bytes]] = {}
         if cfg.worker_launch == "spawn":
             for i in range(cfg.num_workers):
@@ -115,32 +117,13 @@ class WorkerPool:
         finally:
             log.close()
 
-    def _accept(self) -> None:
-        while not self._closing:
-            try:
-                conn = self._listener.accept()
-            except AuthenticationError:
-                logger.warning("rollout: refused a connection without this run's key")
-                continue
-            except OSError:
-                return  # the listener was closed
-            try:
-                if conn.poll(self.timeout):
-                    hello = conn.recv()
-                    if isinstance(hello, dict) and hello.get("kind") == "hello":
-                        self._hellos.put((conn, hello))
-                        continue
-            except (EOFError, OSError):
-                pass
-            conn.close()
-
     def _collect_hellos(self) -> None:
         deadline = time.monotonic() + self.timeout
         want = set(range(self.cfg.num_workers))
         while want - set(self.workers):
             self._check_spawned_alive(starting=True)
             try:
-                conn, hello = self._hellos.get(timeout=min(1.0, deadline - time.monotonic()))
+                link, hello = self.hub.hellos.get(timeout=min(1.0, deadline - time.monotonic()))
             except (queue.Empty, ValueError):
                 if time.monotonic() >= deadline:
                     missing = sorted(want - set(self.workers))
@@ -150,40 +133,38 @@ class WorkerPool:
                         f"(missing workers {missing}; {self._where_to_look()})",
                     ) from None
                 continue
-            wid = hello.get("worker")
-            if wid not in want or wid in self.workers:
-                logger.warning("rollout: refused worker id %r (expected one of %s)", wid, want)
-                conn.close()
-                continue
-            link = Link(conn, f"rollout worker {wid}", self.events, wid, self._beat_recorder(wid))
+            wid = link.tag  # the hub admits each expected id once
             self.workers[wid] = WorkerHandle(
                 wid,
-                link.start(),
-                int(hello.get("pid", -1)),
-                bool(hello.get("cuda", False)),
+                link,
+                hello["pid"],
+                hello["cuda"],
                 self._processes.get(wid),
                 self.dir / f"worker-{wid}.log" if wid in self._processes else None,
             )
+        self.hub.close_admission()
         logger.info("rollout: %d worker(s) connected", len(self.workers))
 
-    def _beat_recorder(self, wid: int):
-        def record(msg: dict[str, Any]) -> None:
-            handle = self.workers.get(wid)
-            if handle is not None and msg.get("version") is not None:
-                handle.version = int(msg["version"])
-
-        return record
+    def _record_beat(self, wid: int, msg: dict[str, Any]) -> None:
+        handle = self.workers.get(wid)
+        if handle is not None and msg.get("version") is not None:
+            handle.version = msg["version"]
 
     def setup(self, messages: dict[int, dict[str, Any]]) -> None:
         for wid, msg in messages.items():
             self.send(wid, {"kind": "setup", **msg})
 
-    def wait_ready(self) -> None:
-        """Wait for every worker's ``ready`` (its engine is built)."""
+    def wait_ready(self, plan_digest: str) -> None:
+        """Wait for every worker's ``ready`` (its engine is built, its weight group checked)
+        and check it holds the push plan ``plan_digest`` names."""
+        self.plan_digest = plan_digest
         pending = {w for w, h in self.workers.items() if h.alive}
         while pending:
             wid, msg = self.next_event("the workers to build their engines")
             if msg["kind"] == "ready":
+                if msg["plan_digest"] != plan_digest:
+                    self.mark_dead(wid)
+                    raise WorkerLost(wid, _plan_mismatch(msg["plan_digest"], plan_digest))
                 pending.discard(wid)
             elif msg["kind"] == "error":
                 raise WorkerLost(wid, f"failed to start: {msg['message']}")
@@ -227,9 +208,32 @@ class WorkerPool:
                 self.mark_dead(wid)
                 raise WorkerLost(wid, f"{msg['why']} while waiting for {waiting_for}")
             if msg["kind"] == "received":
-                self.workers[wid].received[int(msg["version"])] = float(msg["s"])
-                self.workers[wid].version = int(msg["version"])
+                if msg["plan_digest"] != self.plan_digest:
+                    self.mark_dead(wid)
+                    raise WorkerLost(wid, _plan_mismatch(msg["plan_digest"], self.plan_digest))
+                self.workers[wid].received[msg["version"]] = msg["s"]
+                self.workers[wid].version = msg["version"]
             return wid, msg
+
+    def last_word(self, wid: int, within: float = 2.0) -> str | None:
+        """The error worker ``wid`` sent as it left, when it comes within ``within`` s (a
+        worker that refuses a push says why just after the push failed); other events keep
+        their order."""
+        deadline = time.monotonic() + within
+        kept: list[dict[str, Any]] = []
+        found = None
+        while found is None and time.monotonic() < deadline:
+            try:
+                msg = self.events.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if msg.get("_from") == wid and msg["kind"] in ("error", "hung"):
+                found = msg.get("message") or msg.get("why")
+            else:
+                kept.append(msg)
+        with self.events.mutex:
+            self.events.queue.extendleft(reversed(kept))
+        return found
 
     def _check_spawned_alive(self, starting: bool = False) -> None:
         for wid, proc in self._processes.items():
@@ -282,6 +286,36 @@ class WorkerPool:
                 proc.wait()
         for handle in self.workers.values():
             handle.link.close()
-        self._listener.close()
+        self.hub.close()
         with contextlib.suppress(FileNotFoundError):
             (self.dir / ADDRESS_FILE).unlink()
+
+
+def _plan_mismatch(got: str, want: str) -> str:
+    return (
+        f"holds push plan {got[:12]}, the trainer's is {want[:12]} (tensor names, shapes, dtypes "
+        "or bucket sizes differ): no weights were loaded"
+    )
+
+
+def bind_address(cfg: RolloutConfig) -> tuple[str, str]:
+    """``(bind, advertise)``: where the control socket listens and the host the address file
+    names. ``rollout.bind_address=auto``: loopback when the trainer spawns every worker on
+    this node, else this node's address (its hostname's); never every interface."""
+    if cfg.bind_address != "auto":
+        bind = cfg.bind_address
+        wildcard = ipaddress.ip_address(bind).is_unspecified
+        return bind, this_host() if wildcard else bind
+    if cfg.worker_launch == "spawn":
+        return "127.0.0.1", "127.0.0.1"
+    host = this_host()
+    return host, host
+
+
+def this_host() -> str:
+    """An address of this node that the job's other nodes can reach (its hostname's
+    address; 127.0.0.1 when the name does not resolve)."""
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"

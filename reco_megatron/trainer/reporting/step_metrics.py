@@ -135,6 +135,7 @@ def global_row(
     for key in keys:
         if key.startswith("pass@"):
             row[key.removesuffix("_sum")] = s[key] / groups
+    row.update(episode_columns(s))
     last = [engine.broadcast_metrics(m) for m in steps]
     prep = engine.broadcast_metrics(prep)
     row.update(combine_updates(last))
@@ -148,6 +149,31 @@ def global_row(
         # failures of the reward function: reward_health's reward_fail_* (global counts)
         if key == "reward/parse_failures/sum":
             row["reward_parse_failures"] = value
+    return row
+
+
+def episode_columns(sums: dict[str, float]) -> dict[str, float]:
+    """Multi-turn episodes' columns from the ``env_*`` counters summed over ranks (none for
+    single-turn runs): turns, tool calls and length per episode, the share of episode tokens
+    the environment wrote (``env_observation_frac``), and counts of episodes that hit
+    ``max_turns`` or the token budget and of failed environment calls by kind
+    (``env_error``, ``env_timeout``, ``env_crash``, ...; each such episode scores 0)."""
+    if "env_episodes" not in sums:
+        return {}
+    episodes = max(sums["env_episodes"], 1.0)
+    row = {
+        "env_turns_mean": sums["env_turns_sum"] / episodes,
+        "env_tool_calls_mean": sums["env_tool_calls_sum"] / episodes,
+        "env_episode_len_mean": sums["env_episode_len_sum"] / episodes,
+        "env_observation_frac": sums["env_observation_tokens_sum"]
+        / max(sums["env_episode_len_sum"], 1.0),
+    }
+    for key, value in sums.items():
+        if key.startswith("env_") and key.endswith("_sum") and key not in (
+            "env_turns_sum", "env_tool_calls_sum", "env_episode_len_sum",
+            "env_observation_tokens_sum",
+        ):  # fmt: skip
+            row[key.removesuffix("_sum")] = value
     return row
 
 
