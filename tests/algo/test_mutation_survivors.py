@@ -18,6 +18,7 @@ from reco_megatron.algo import group_advantages, pass_at_k, response_weights
 from reco_megatron.algo.config import LossConfig
 from reco_megatron.algo.metrics import merge_metrics, reduction_of
 from reco_megatron.algo.passk import diversity_metrics
+from reco_megatron.algo.policy_loss import policy_loss
 from reco_megatron.algo.ratios import tis_weights
 from reco_megatron.algo.weights import batch_response_weights, weight_logprobs
 
@@ -237,3 +238,15 @@ def test_preset_names_are_the_presets_each_builds() -> None:
     assert {"grpo", "dapo", "dr_grpo", "cispo", "reco"} <= set(names)
     for name in names:  # dr_grpo's aggregation needs the normaliser; the others ignore it
         assert isinstance(LossConfig.preset(name, loss_normalizer=4096), LossConfig)
+
+
+# ---- policy_loss's input checks ---------------------------------------------------------------
+
+
+def test_policy_loss_input_errors_quote_the_shapes_and_name_the_tensor() -> None:
+    cfg = LossConfig.preset("grpo")
+    logp, adv = torch.zeros(2, 3), torch.zeros(2)
+    with pytest.raises(ValueError, match=r"^logp must be \[B, T\], got shape \(2, 3, 1\)$"):
+        policy_loss(logp[..., None], logp[..., None], adv, torch.ones(2, 3, 1), cfg)
+    with pytest.raises(ValueError, match=r"^logp_old must match logp \(2, 3\), got \(2, 4\)$"):
+        policy_loss(logp, torch.zeros(2, 4), adv, torch.ones(2, 3), cfg)
