@@ -15,11 +15,12 @@ import pytest
 import torch
 
 from reco_megatron.algo import group_advantages, pass_at_k, response_weights
+from reco_megatron.algo.aggregation import aggregate
 from reco_megatron.algo.config import LossConfig
 from reco_megatron.algo.metrics import merge_metrics, reduction_of
 from reco_megatron.algo.passk import diversity_metrics
 from reco_megatron.algo.policy_loss import policy_loss
-from reco_megatron.algo.ratios import tis_weights
+from reco_megatron.algo.ratios import bernoulli_variance, importance_ratio, tis_weights, token_ratio
 from reco_megatron.algo.weights import batch_response_weights, weight_logprobs
 
 # ---- advantages -------------------------------------------------------------------------
@@ -244,9 +245,110 @@ def test_preset_names_are_the_presets_each_builds() -> None:
 
 
 def test_policy_loss_input_errors_quote_the_shapes_and_name_the_tensor() -> None:
-    cfg = LossConfig.preset("grpo")
+    cfg = LossConfig.preset("grpo", kl_coef=0.0)
     logp, adv = torch.zeros(2, 3), torch.zeros(2)
     with pytest.raises(ValueError, match=r"^logp must be \[B, T\], got shape \(2, 3, 1\)$"):
         policy_loss(logp[..., None], logp[..., None], adv, torch.ones(2, 3, 1), cfg)
     with pytest.raises(ValueError, match=r"^logp_old must match logp \(2, 3\), got \(2, 4\)$"):
         policy_loss(logp, torch.zeros(2, 4), adv, torch.ones(2, 3), cfg)
+
+
+# ---- the second run's survivors (2026-12-05) -------------------------------------------------
+
+
+def test_kl_old_new_metric_is_the_k3_estimator() -> None:
+    """``exp(d) - d - 1`` of ``d = logp - logp_old`` over response tokens (fp64 closed form)."""
+    logp = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -1.5, -4.0]], dtype=torch.float64)
+    logp_old = torch.tensor([[-1.2, -1.0, -0.5], [-0.9, -1.4, -9.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    _, metrics = policy_loss(
+        logp, logp_old, torch.tensor([1.0, -1.0]), mask, LossConfig.preset("grpo", kl_coef=0.0)
+    )
+    d = (logp - logp_old)[mask.bool()]
+    expected = (torch.exp(d) - d - 1.0).mean().item()
+    # metrics are reported in fp32: rel 1e-6 is a few fp32 roundings; the mutants move it by > 1 %
+    assert metrics["kl_old_new/mean"].item() == pytest.approx(expected, rel=1e-6)
+    big = torch.tensor([[30.0]], dtype=torch.float64)  # clamped at 20 both ways
+    for sign in (1.0, -1.0):
+        _, m = policy_loss(
+            sign * big,
+            torch.zeros(1, 1, dtype=torch.float64),
+            torch.tensor([1.0]),
+            torch.ones(1, 1),
+            LossConfig.preset("grpo", kl_coef=0.0),
+        )
+        expected = math.exp(sign * 20.0) - sign * 20.0 - 1.0
+        assert m["kl_old_new/mean"].item() == pytest.approx(expected, rel=1e-6)
+
+
+def test_importance_ratio_is_clamped_at_twenty_both_ways() -> None:
+    d = torch.tensor([25.0, -25.0, 3.0], dtype=torch.float64)
+    r = importance_ratio(d, torch.zeros(3, dtype=torch.float64))
+    expected = torch.exp(torch.tensor([20.0, -20.0, 3.0], dtype=torch.float64))
+    torch.testing.assert_close(
+        r, expected, rtol=1e-12, atol=0
+    )  # exp(-20) is below the default atol
+    tr = token_ratio(d, torch.zeros(3, dtype=torch.float64), "importance")
+    torch.testing.assert_close(tr.ratio, r)
+    torch.testing.assert_close(tr.raw, r)  # raw is the ratio itself in this mode
+
+
+def test_token_ratio_defaults_cap_at_ten_and_keep_the_raw_value() -> None:
+    # Bernoulli variance ratio p(1-p) / p_old(1-p_old): 0.25 / (0.01 * 0.99) ~ 25.3, capped at 10
+    lp = torch.tensor([math.log(0.5)], dtype=torch.float64)
+    lp_old = torch.tensor([math.log(0.01)], dtype=torch.float64)
+    tr = token_ratio(lp, lp_old, "bernoulli")
+    assert tr.raw.item() == pytest.approx(0.25 / (0.01 * 0.99), rel=1e-9)
+    assert tr.ratio.item() == 10.0
+
+
+def test_bernoulli_variance_of_a_certain_token_stays_positive() -> None:
+    """p = 1: the clamp keeps ``1 - p >= prob_eps`` so the ratio stays finite."""
+    v = bernoulli_variance(torch.zeros(1, dtype=torch.float64), 1e-6)
+    assert v.item() == pytest.approx(1e-6 * (1 - 1e-6), rel=1e-9)
+
+
+def test_categorical_ratio_needs_both_sums() -> None:
+    lp = torch.zeros(1, 2)
+    with pytest.raises(ValueError):
+        token_ratio(lp, lp, "categorical", sum_p2=torch.full((1, 2), 0.5))
+    with pytest.raises(ValueError):
+        token_ratio(lp, lp, "categorical", sum_p2_old=torch.full((1, 2), 0.5))
+
+
+def test_response_weight_errors_quote_the_shapes() -> None:
+    with pytest.raises(ValueError, match=r"must both be \[B\*G, T\], got \(4, 3\) and \(4, 2\)"):
+        response_weights(torch.zeros(4, 3), torch.ones(4, 2), 2)
+    with pytest.raises(ValueError, match=r"response_ids must match mask \(4, 3\), got \(4, 2\)"):
+        response_weights(
+            torch.zeros(4, 3), torch.ones(4, 3), 2, "empirical", response_ids=torch.zeros(4, 2)
+        )
+
+
+def test_sequence_weights_default_to_the_clip_range_a_tenth_to_ten() -> None:
+    """A certain response (log p = 0) at G = 4 gives 1/4, clipped up to ``w_min`` = 0.1 only
+    when smaller; a very unlikely one would exceed 1 only through ``w_max`` = 10."""
+    lp = torch.zeros(4, 2, dtype=torch.float64)
+    lp[1] = -50.0
+    w = response_weights(lp, torch.ones(4, 2), 4, "sequence")
+    assert w[0].item() == pytest.approx(0.25)
+    # geometric at G = 16 with one very unlikely response: it takes (almost) all the mass,
+    # clipped to w_max = 10; the others fall to w_min = 0.1
+    lp16 = torch.zeros(16, 2, dtype=torch.float64)
+    lp16[0] = -50.0
+    g = response_weights(lp16, torch.ones(16, 2), 16, "geometric")
+    assert g[0].item() == pytest.approx(10.0, rel=1e-6)
+    torch.testing.assert_close(g[1:], torch.full((15,), 0.1), rtol=1e-6, atol=0)
+
+
+def test_sequence_mean_aggregations_divide_by_the_local_row_count() -> None:
+    per_token = torch.arange(15, dtype=torch.float64).view(3, 5)
+    mask = torch.tensor([[1, 1, 0, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
+    rows = [per_token[i][mask[i].bool()] for i in range(3)]
+    got = aggregate(per_token, mask, "seq_mean_token_mean")
+    assert got.item() == pytest.approx(sum(float(r.mean()) for r in rows) / 3, rel=1e-12)
+    got = aggregate(per_token, mask, "seq_mean_token_sum_norm", loss_normalizer=0.5)
+    assert got.item() == pytest.approx(sum(float(r.sum()) / 0.5 for r in rows) / 3, rel=1e-12)
+    for bad in (0, -1.0, None):
+        with pytest.raises(ValueError, match=r"needs loss_normalizer > 0, got .*: pass the max"):
+            aggregate(per_token, mask, "seq_mean_token_sum_norm", loss_normalizer=bad)
