@@ -148,3 +148,34 @@ def test_kill_subtree_reaches_every_depth(tmp_path) -> None:
                 os.kill(pid, signal.SIGKILL)
         proc.kill()
         proc.wait(timeout=30)
+
+
+_NAMED = """
+import ctypes, sys, time
+ctypes.CDLL(None).prctl(15, sys.argv[1].encode(), 0, 0, 0)  # PR_SET_NAME: /proc/PID/stat's comm
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_the_scan_skips_zombies_and_reads_names_with_a_parenthesis() -> None:
+    """An exited, unreaped child (state Z) is no process to kill; a live child whose name holds
+    ``) Z 1 (`` is still found (the stat line is split after the *last* ``)``)."""
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    named = subprocess.Popen(
+        [sys.executable, "-c", _NAMED, "a) Z 1 (b"], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert named.stdout is not None and named.stdout.readline().strip() == "ready"
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and psutil.Process(zombie.pid).status() != "zombie":
+            time.sleep(0.02)
+        assert psutil.Process(zombie.pid).status() == "zombie"
+        assert psutil.Process(named.pid).name() == "a) Z 1 (b"
+        found = descendants(os.getpid())
+        assert zombie.pid not in found
+        assert named.pid in found
+    finally:
+        named.kill()
+        named.wait(timeout=30)
+        zombie.wait(timeout=30)
