@@ -176,18 +176,6 @@ def test_diversity_order_error_quotes_the_order() -> None:
         diversity_metrics([[1, 2]], orders=(0,))
 
 
-def test_pass_at_k_is_one_exactly_when_fewer_wrong_than_k() -> None:
-    """The ``n - c < k`` shortcut: every (n, c, k) up to n = 12 against the closed form."""
-    for n in range(1, 13):
-        for c in range(n + 1):
-            for k in range(1, n + 1):
-                got = float(pass_at_k(n, c, k))
-                expected = 1.0 - math.comb(n - c, k) / math.comb(n, k)
-                assert got == pytest.approx(expected, abs=1e-12), (n, c, k)
-                if n - c < k:
-                    assert got == 1.0
-
-
 def test_pass_at_k_of_no_problems_is_empty() -> None:
     """Empty arrays give an empty result (kills ``max_n = n.max()`` taken unconditionally)."""
     empty = np.zeros(0, dtype=np.int64)

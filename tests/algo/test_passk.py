@@ -19,6 +19,8 @@ def test_matches_math_comb_for_all_small_cases() -> None:
     want = np.array([_exact(*t) for t in cases])
     # The product form accumulates ~n roundings in fp64: 1e-12 absolute is ample for n <= 20.
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
+    # the n - c < k shortcut gives exactly 1, not 1 up to rounding
+    np.testing.assert_array_equal(got[n - c < k], 1.0)
 
 
 @pytest.mark.parametrize(
