@@ -49,6 +49,15 @@ def _steps(run: Path) -> dict[str, dict]:
     return {r["step"]: r for r in read_jsonl(run / "steps.jsonl")[0]}
 
 
+def _result(path: Path, v: Verdict, what: str) -> dict | None:
+    """A step's result file, or ``None`` after a failed check saying why it could not be read."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        v.check(False, f"{what} ({exc})")
+        return None
+
+
 def _summary(run: Path) -> tuple[int, str]:
     proc = subprocess.run(
         [sys.executable, str(HERE / "summary.py"), str(run)], capture_output=True, text=True
@@ -106,11 +115,10 @@ def full_run(run: Path, expected: list[str], check_exit: int, v: Verdict) -> Non
         not {r["method"] for r in stats["rows"]} & set(stats["skipped"]),
         f"the skipped methods {stats['skipped']} did not run",
     )
-    try:
-        rl = json.loads((run / "rl_step" / "rl_step.json").read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        v.check(False, f"rl_step wrote rl_step.json ({exc}; see {run / 'rl_step.log'})")
-    else:
+    rl = _result(
+        run / "rl_step" / "rl_step.json", v, f"rl_step.json parses (see {run}/rl_step.log)"
+    )
+    if rl is not None:
         v.check(
             rl["complete"] and len(rl["rows"]) == rl["steps"] and rl.get("save_s") is not None,
             f"rl_step: {len(rl['rows'])} steps and a checkpoint saved (the path that needs psutil)",
@@ -131,10 +139,8 @@ def killed_run(run: Path, full: Path, v: Verdict) -> None:
         step.get("status") == "killed",
         f"stats_op recorded as killed: {step.get('status')} (exit {step.get('exit')})",
     )
-    try:
-        report = json.loads((run / "stats_op.json").read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        v.check(False, f"the killed step's stats_op.json parses ({exc})")
+    report = _result(run / "stats_op.json", v, "the killed step's stats_op.json parses")
+    if report is None:
         return
     n_full = len(json.loads((full / "stats_op.json").read_text())["rows"])
     n = len(report["rows"])
