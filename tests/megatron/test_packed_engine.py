@@ -8,7 +8,8 @@ sequence for RoPE, attention kept inside each sequence by ``cu_seqlens``), and t
 pass (per-token log-probs and ``sum p^2`` of every sequence), both updates' losses and
 metrics, the gradient norms and the parameters after the updates must equal the padded
 single-process run with fixed micro-batches, at TP 1, TP 2 with sequence parallelism, and PP 2.
-A control that runs each packed row as one sequence (attention and RoPE across the
+The padded path at PP 2 with megatron's own attention (``local``) must equal the same
+single-process run with torch's attention. A control that runs each packed row as one sequence (attention and RoPE across the
 boundaries) must differ.
 
 Tolerances as in ``test_token_budget`` (fp32 summation order through Adam with eps 1e-3):
@@ -31,8 +32,11 @@ LOSS_ATOL = 1e-5
 PACKED = {"max_tokens_per_microbatch": BUDGET, "microbatch_length_multiple": 1}
 
 
-def _body(rank, world_size, tp, pp, reference, update, sp=False, joined=False):
-    engine = _reco.build_engine(tp=tp, pp=pp, micro_batch_size=2, sequence_parallel=sp, **update)
+def _body(rank, world_size, tp, pp, reference, update, sp=False, joined=False, backend=None):
+    model = None if backend is None else _reco.model_config(attention_backend=backend)
+    engine = _reco.build_engine(
+        tp=tp, pp=pp, micro_batch_size=2, sequence_parallel=sp, model=model, **update
+    )
     if reference is None:
         return _reco.full_params(engine)
     if joined:
@@ -111,6 +115,22 @@ def test_packed_rows_equal_the_padded_run(layout, reference_weights, padded) -> 
     for res in results:
         assert res["attention"] == "torch"
         assert res["packed"] and max(res["rows_per_microbatch"]) > 1  # several per row
+        _compare(res, padded)
+
+
+def test_megatron_local_attention_at_pp2_equals_the_torch_reference(
+    reference_weights, padded
+) -> None:
+    """The padded path at PP 2 with megatron's own ``DotProductAttention`` (``local``) trains
+    like the single-process run with torch's attention: the two attentions agree across a
+    pipeline split too (the fp64 comparison of ``test_torch_attention`` runs at TP 1 and 2)."""
+    assert padded["attention"] == "torch"
+    results = run_distributed(
+        _body, 2, args=(1, 2, reference_weights, {}), kwargs={"backend": "local"}, timeout=240
+    )
+    assert results[-1]["old_logprobs"] is not None
+    for res in results:
+        assert res["attention"] == "local" and not res["packed"]
         _compare(res, padded)
 
 
