@@ -9,8 +9,8 @@ pass (per-token log-probs and ``sum p^2`` of every sequence), both updates' loss
 metrics, the gradient norms and the parameters after the updates must equal the padded
 single-process run with fixed micro-batches, at TP 1, TP 2 with sequence parallelism, and PP 2.
 The padded path at PP 2 with megatron's own attention (``local``) must equal the same
-single-process run with torch's attention. A control that runs each packed row as one sequence (attention and RoPE across the
-boundaries) must differ.
+single-process run with torch's attention. A control that runs each packed row as one sequence
+(attention and RoPE across the boundaries) must differ.
 
 Tolerances as in ``test_token_budget`` (fp32 summation order through Adam with eps 1e-3):
 parameters 2e-5, losses and log-probs 1e-5; the loss denominator (an integer) exactly.
