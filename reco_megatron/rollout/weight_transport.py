@@ -30,6 +30,7 @@ import hashlib
 import json
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.distributed as dist
@@ -107,9 +108,20 @@ class PushPlan:
     def buckets_of(self, sender: int) -> list[list[int]]:
         return [b for b in self.buckets if self.tensors[b[0]].sender == sender]
 
+    @cached_property
+    def _digests(self) -> dict[int | None, str]:
+        """:meth:`digest` by sender, filled on first use: a plan never changes, and both ends
+        of every push ask for it (about 3 ms for an 8B model's 291 tensors, 2026-12-07)."""
+        return {}
+
     def digest(self, sender: int | None = None) -> str:
         """SHA-256 (hex) of the plan, or of ``sender``'s part: each tensor's name, shape,
         dtype and sender, and the byte size of each bucket."""
+        if sender not in self._digests:
+            self._digests[sender] = self._digest_of(sender)
+        return self._digests[sender]
+
+    def _digest_of(self, sender: int | None) -> str:
         buckets = self.buckets if sender is None else self.buckets_of(sender)
         data = {
             "senders": self.senders,

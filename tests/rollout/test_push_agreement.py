@@ -112,3 +112,16 @@ def test_the_digest_covers_names_shapes_dtypes_and_bucket_sizes() -> None:
                 {**base.to_json(), "tensors": [["a", [3], "os.system", 0]]}):  # fmt: skip
         with pytest.raises(PushMismatch):
             PushPlan.from_json(bad)
+
+
+def test_the_digest_is_computed_once_per_plan_and_sender() -> None:
+    """Both ends of every push ask for the digest: it is kept per plan and per sender, and a
+    kept one is what a fresh plan of the same tensors computes."""
+    specs = (TensorSpec("a", (3,), "float32", 0), TensorSpec("b", (5,), "float32", 1))
+    plan = PushPlan(specs, senders=2, bucket_bytes=64)
+    first = {s: plan.digest(s) for s in (None, 0, 1)}
+    assert len(set(first.values())) == 3
+    for sender, digest in first.items():
+        assert plan.digest(sender) is digest
+        assert PushPlan(specs, senders=2, bucket_bytes=64).digest(sender) == digest
+    assert plan == PushPlan(specs, senders=2, bucket_bytes=64)  # the cache is not a field
