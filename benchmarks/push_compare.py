@@ -24,12 +24,14 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks.async_rollout import machine, spread  # noqa: E402
+
 _MEASURE = (
     "import json, sys, reco_megatron.rollout.weight_transport as w\n"
     "from benchmarks.async_rollout import time_push\n"
@@ -55,10 +57,6 @@ def measure(tree: Path, mib: int, timeout_s: float) -> dict:
     if not Path(result["module"]).resolve().is_relative_to(tree.resolve()):
         raise SystemExit(f"{tree}: the push code came from {result['module']}, not that tree")
     return result
-
-
-def spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def main() -> None:
@@ -113,9 +111,6 @@ def main() -> None:
             f"[{o['min']:.0f}, {o['max']:.0f}] | {q['median']:.2f} [{q['min']:.2f}, "
             f"{q['max']:.2f}] |"
         )
-    sys.path.insert(0, str(ROOT))
-    from benchmarks.async_rollout import machine
-
     out = {
         "command": "python benchmarks/push_compare.py " + " ".join(sys.argv[1:]),
         "started": started,
