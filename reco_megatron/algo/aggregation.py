@@ -30,6 +30,11 @@ def aggregate(
     """
     if mode not in AGGREGATIONS:
         raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {mode!r}")
+    if per_token.dim() != 2 or mask.shape != per_token.shape:
+        raise ValueError(
+            f"per_token and mask must both be [B, T], got {tuple(per_token.shape)} and "
+            f"{tuple(mask.shape)}: the sequence modes reduce over the last axis per row"
+        )
     maskb = mask.bool()
     lt = torch.where(maskb, per_token, torch.zeros_like(per_token))
     if mode == "token_mean":
