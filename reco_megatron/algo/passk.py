@@ -36,7 +36,7 @@ def pass_at_k(n: npt.ArrayLike, c: npt.ArrayLike, k: npt.ArrayLike) -> np.ndarra
     if np.any(k_a < 1) or np.any(k_a > n_a):
         raise ValueError(f"need 1 <= k <= n, got n={n_a.tolist()} k={k_a.tolist()}")
     max_n = int(n_a.max()) if n_a.size else 0
-    i = np.arange(1, max_n + 1, dtype=np.float64)  # [max_n]
+    i = np.arange(1, max_n + 1)  # [max_n]; k / i below is true division: float64
     n_e, c_e, k_e = (x[..., None] for x in (n_a, c_a, k_a))
     in_range = (i > n_e - c_e) & (i <= n_e)
     certain = (n_a - c_a) < k_a
