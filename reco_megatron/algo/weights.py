@@ -89,14 +89,14 @@ def prefix_counts(response_ids: torch.Tensor, mask: torch.Tensor, group_size: in
     num_groups = check_groups(response_ids.shape[0], group_size, "responses")
     t = response_ids.shape[1]
     keys = _token_keys(response_ids, mask).view(num_groups, group_size, t)
-    per_group = max(group_size * group_size * max(t, 1), 1)
+    per_group = group_size * group_size * max(t, 1)  # >= 1: check_groups made G >= 1
     chunk = max(1, PREFIX_COUNT_CHUNK_ELEMENTS // per_group)
     out = []
     for start in range(0, num_groups, chunk):
         k = keys[start : start + chunk]  # [g, G, T]
         same = k.unsqueeze(2) == k.unsqueeze(1)  # [g, G, G, T]: i, j, position
         shared = torch.cummin(same.to(torch.uint8), dim=-1).values  # prefix still identical
-        out.append(shared.sum(dim=2, dtype=torch.long))  # [g, G, T]
+        out.append(shared.sum(dim=2))  # [g, G, T], int64 (torch sums integers in int64)
     return torch.cat(out, dim=0).view(-1, t) if out else keys.view(-1, t)
 
 
