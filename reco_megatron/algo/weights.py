@@ -225,9 +225,9 @@ def response_weights(
     lengths = mask.bool().sum(dim=-1).clamp(min=1)
     mean_logp = sequence_log_prob(logp_old, mask) / lengths
     mean_logp = torch.clamp(mean_logp, min=GEOMETRIC_MIN_MEAN_LOGP)
-    log_u = (-log_g - mean_logp).view(num_groups, group_size)
-    # u / mean_group(u) == G * softmax(log u) within the group: exact, overflow-free.
-    w = group_size * torch.softmax(log_u, dim=1)
+    # u / mean_group(u) == G * softmax(log u) within the group: exact, overflow-free; and
+    # log u = -log G - mean_logp, whose constant -log G the softmax cancels.
+    w = group_size * torch.softmax(-mean_logp.view(num_groups, group_size), dim=1)
     return w.reshape(-1).clamp(min=w_min, max=w_max).float()
 
 
