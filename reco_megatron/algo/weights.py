@@ -252,7 +252,7 @@ def batch_response_weights(
         mask,
         group_size,
         mode,
-        response_ids=response_ids if mode in TOKEN_ID_WEIGHT_MODES else None,
+        response_ids=response_ids,  # read only by the counting modes
         w_min=cfg.geometric_w_min,
         w_max=cfg.geometric_w_max,
     )
