@@ -82,7 +82,13 @@ def test_certain_cases_stay_exact_where_the_product_would_overflow() -> None:
 
 @pytest.mark.parametrize(
     ("n", "c", "k", "name"),
-    [(2.7, 1, 1, "n"), (4, 1.5, 1, "c"), (4, 1, 2.5, "k"), (4, 1, float("nan"), "k")],
+    [
+        (2.7, 1, 1, "n"),
+        (4, 1.5, 1, "c"),
+        (4, 1, 2.5, "k"),
+        (4, 1, float("nan"), "k"),
+        (float("inf"), 1, 1, "n"),
+    ],
 )
 def test_fractional_counts_are_refused_not_truncated(
     n: float, c: float, k: float, name: str
