@@ -55,6 +55,12 @@ def test_invalid_raise(n: int, c: int, k: int) -> None:
         pass_at_k(n, c, k)
 
 
+def test_invalid_counts_are_quoted_as_the_integers_they_are() -> None:
+    """The error quotes the counts as counts (``n=[4, 4]``), also when they came as floats."""
+    with pytest.raises(ValueError, match=r"^need 0 <= c <= n, got n=\[4, 4\] c=\[1, 5\]$"):
+        pass_at_k([4.0, 4.0], [1, 5], 1)
+
+
 def test_diversity_token_ids() -> None:
     group = [[1, 2, 3], [1, 2, 3], [1, 2, 4], [5]]
     m = diversity_metrics(group, orders=(1, 2))

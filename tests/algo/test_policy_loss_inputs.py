@@ -15,7 +15,7 @@ from reco_megatron.algo.advantages import check_groups
 from reco_megatron.algo.aggregation import aggregate
 from reco_megatron.algo.policy_loss import c_growth
 from reco_megatron.algo.ratios import token_ratio
-from reco_megatron.algo.weights import response_weights
+from reco_megatron.algo.weights import empirical_counts, prefix_counts, response_weights
 
 GRPO = LossConfig.preset("grpo", kl_coef=0.0)
 
@@ -148,9 +148,11 @@ def test_group_errors_say_what_was_counted_and_why_groups_must_be_whole() -> Non
         "so pass whole groups (before any split into micro-batches or ranks)"
     )
     ids, mask = torch.zeros(5, 2, dtype=torch.long), torch.ones(5, 2)
-    for mode in ("empirical", "prefix_empirical"):  # the counting modes count "responses"
-        got = _message(response_weights, torch.zeros(5, 2), mask, 2, mode, response_ids=ids)
-        assert got.startswith("5 responses is not a multiple of group_size=2: "), mode
+    # the counting functions are public too, and count "responses" themselves
+    for fn in (empirical_counts, prefix_counts):
+        assert _message(fn, ids, mask, 2).startswith(
+            "5 responses is not a multiple of group_size=2: "
+        ), fn.__name__
 
 
 def test_unknown_modes_list_the_valid_ones() -> None:
