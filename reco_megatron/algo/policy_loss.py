@@ -140,15 +140,18 @@ def policy_loss(
     if weights is not None:
         w = weights.detach().to(logp.dtype)
         per_token = per_token * (w.unsqueeze(1) if w.dim() == 1 else w)
-    tis: torch.Tensor | None = None
-    tis_capped: torch.Tensor | None = None
+    tis_metrics: dict[str, torch.Tensor] = {}
     if cfg.tis_cap is not None and rollout_logp is not None:
         tis_fp32 = tis_weights(lp_old, rollout_logp, maskb, cfg.tis_cap)  # fp32 at least
-        # Where the cap binds the weight is exp(log cap), within an fp32 rounding of the cap;
-        # in bf16 a weight 0.4 % below the cap would round onto it, so compare before the cast.
-        tis_capped = tis_fp32 >= cfg.tis_cap * (1 - 1e-6)
         tis = tis_fp32.to(logp.dtype)
         per_token = per_token * tis
+        # Where the cap binds the weight is exp(log cap), within an fp32 rounding of the cap;
+        # in bf16 a weight 0.4 % below the cap would round onto it, so compare before the cast.
+        capped = (tis_fp32 >= cfg.tis_cap * (1 - 1e-6)).float()
+        tis_metrics = {
+            "tis_weight/mean": masked_mean(tis, maskb),
+            "tis_clip_frac/mean": masked_mean(capped, maskb),
+        }
 
     kl_tok: torch.Tensor | None = None
     if ref_logp is not None:
@@ -185,9 +188,7 @@ def policy_loss(
             metrics["clip_frac_c/mean"] = masked_mean(clip_c.float(), maskb)
         if entropy is not None:
             metrics["entropy/mean"] = masked_mean(entropy, maskb)
-        if tis is not None and tis_capped is not None:
-            metrics["tis_weight/mean"] = masked_mean(tis, maskb)
-            metrics["tis_clip_frac/mean"] = masked_mean(tis_capped.float(), maskb)
+        metrics.update(tis_metrics)
         metrics["loss/sum"] = loss.detach().float()
     return loss, metrics
 
