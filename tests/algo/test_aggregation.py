@@ -59,3 +59,13 @@ def test_token_mean_divides_by_the_local_token_count() -> None:
     per_token = torch.tensor([[1.0, 3.0], [7.0, 9.0]], dtype=torch.float64)
     mask = torch.tensor([[1, 1], [1, 0]])
     assert aggregate(per_token, mask).item() == pytest.approx(11.0 / 3, rel=1e-15)
+
+
+@pytest.mark.parametrize("mode", ["seq_mean_token_mean", "seq_mean_token_sum_norm"])
+def test_one_row_is_its_own_sequence_mean(mode: str) -> None:
+    """B = 1: the local sequence count is 1, so the share is that row's value: its token mean
+    (3 + 5) / 2, or its sum over the normaliser (3 + 5) / 4."""
+    per_token = torch.tensor([[3.0, 5.0, 100.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0]])
+    got = aggregate(per_token, mask, mode, loss_normalizer=4.0)
+    assert got.item() == (4.0 if mode == "seq_mean_token_mean" else 2.0)
