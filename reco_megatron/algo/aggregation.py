@@ -30,6 +30,11 @@ def aggregate(
     """
     if mode not in AGGREGATIONS:
         raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {mode!r}")
+    if per_token.dim() != 2 or mask.shape != per_token.shape:
+        raise ValueError(
+            f"per_token and mask must both be [B, T], got {tuple(per_token.shape)} and "
+            f"{tuple(mask.shape)}: the sequence modes reduce over the last axis per row"
+        )
     maskb = mask.bool()
     lt = torch.where(maskb, per_token, torch.zeros_like(per_token))
     if mode == "token_mean":
@@ -37,11 +42,12 @@ def aggregate(
         return lt.sum() / denom
     n_seq = global_num_seqs if global_num_seqs is not None else max(per_token.shape[0], 1)
     if mode == "seq_mean_token_mean":
-        lengths = maskb.sum(dim=-1).clamp(min=1).to(lt.dtype)
+        lengths = maskb.sum(dim=-1).clamp(min=1)  # int64; the division promotes to lt's dtype
         return (lt.sum(dim=-1) / lengths).sum() / n_seq
     if loss_normalizer is None or not loss_normalizer > 0:
         raise ValueError(
             f"seq_mean_token_sum_norm needs loss_normalizer > 0, got {loss_normalizer}: pass "
             "the maximum response length in tokens"
         )
-    return (lt.sum(dim=-1) / loss_normalizer).sum() / n_seq
+    # sum_i (sum_t m l / loss_normalizer) / N_seq: the normaliser is one constant for all rows
+    return lt.sum() / loss_normalizer / n_seq

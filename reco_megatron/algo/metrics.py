@@ -91,7 +91,7 @@ def weight_metrics(
     per-response weight counts on every token of its response; needs ``mask``).
     """
     w = weights.detach().double()
-    zero = torch.zeros((), dtype=torch.float64)
+    zero = torch.zeros(())  # every value below is returned as .float()
     out: dict[str, torch.Tensor] = {}
     if w.dim() == 2:
         if mask is None or mask.shape != w.shape:

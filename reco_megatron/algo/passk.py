@@ -12,6 +12,14 @@ import numpy as np
 import numpy.typing as npt
 
 
+def _count(name: str, x: npt.ArrayLike) -> np.ndarray:
+    """``x`` as int64, refusing a fractional or non-finite count (a cast would truncate it)."""
+    a = np.asarray(x)
+    if a.dtype.kind == "f" and not np.all(np.isfinite(a) & (a == np.trunc(a))):
+        raise ValueError(f"pass@k counts must be whole numbers, got {name}={a.tolist()}")
+    return a.astype(np.int64)
+
+
 def pass_at_k(n: npt.ArrayLike, c: npt.ArrayLike, k: npt.ArrayLike) -> np.ndarray:
     """Unbiased pass@k (Chen et al. 2021): ``1 - C(n-c, k) / C(n, k)``, float64.
 
@@ -19,17 +27,16 @@ def pass_at_k(n: npt.ArrayLike, c: npt.ArrayLike, k: npt.ArrayLike) -> np.ndarra
     together (e.g. ``n`` and ``c`` of shape ``[P]`` for P problems, scalar ``k``); the result
     has the broadcast shape (a 0-d array for scalars). Computed as the stable product
     ``1 - prod_{i=n-c+1}^{n} (1 - k/i)`` (no factorials); exactly 1 when ``n - c < k`` and 0
-    when ``c == 0``. Requires ``0 <= c <= n`` and ``1 <= k <= n`` (``ValueError`` otherwise).
+    when ``c == 0``. Requires whole numbers (floats such as ``3.0`` are accepted, ``2.5`` is
+    not), ``0 <= c <= n`` and ``1 <= k <= n`` (``ValueError`` otherwise).
     """
-    n_a, c_a, k_a = np.broadcast_arrays(
-        np.asarray(n, dtype=np.int64), np.asarray(c, dtype=np.int64), np.asarray(k, dtype=np.int64)
-    )
+    n_a, c_a, k_a = np.broadcast_arrays(_count("n", n), _count("c", c), _count("k", k))
     if np.any(c_a < 0) or np.any(c_a > n_a):
         raise ValueError(f"need 0 <= c <= n, got n={n_a.tolist()} c={c_a.tolist()}")
     if np.any(k_a < 1) or np.any(k_a > n_a):
         raise ValueError(f"need 1 <= k <= n, got n={n_a.tolist()} k={k_a.tolist()}")
     max_n = int(n_a.max()) if n_a.size else 0
-    i = np.arange(1, max_n + 1, dtype=np.float64)  # [max_n]
+    i = np.arange(1, max_n + 1)  # [max_n]; k / i below is true division: float64
     n_e, c_e, k_e = (x[..., None] for x in (n_a, c_a, k_a))
     in_range = (i > n_e - c_e) & (i <= n_e)
     certain = (n_a - c_a) < k_a

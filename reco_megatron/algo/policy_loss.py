@@ -130,7 +130,7 @@ def policy_loss(
     t = _tokens(logp, logp_old, advantages, mask, cfg)
     maskb, zeros, lp, lp_old, r = t.mask, t.zeros, t.lp, t.lp_old, t.r
     c_raw: torch.Tensor | None = None
-    clip_c = torch.zeros_like(maskb)
+    clip_c: torch.Tensor | None = None  # set where the trust region on c acts
     if cfg.objective == "ppo_clip":
         per_token = _ppo_clip_surrogate(t, cfg)
     elif cfg.objective == "reco":
@@ -140,10 +140,18 @@ def policy_loss(
     if weights is not None:
         w = weights.detach().to(logp.dtype)
         per_token = per_token * (w.unsqueeze(1) if w.dim() == 1 else w)
-    tis: torch.Tensor | None = None
+    tis_metrics: dict[str, torch.Tensor] = {}
     if cfg.tis_cap is not None and rollout_logp is not None:
-        tis = tis_weights(lp_old, rollout_logp, maskb, cfg.tis_cap).to(logp.dtype)
+        tis_fp32 = tis_weights(lp_old, rollout_logp, maskb, cfg.tis_cap)  # fp32 at least
+        tis = tis_fp32.to(logp.dtype)
         per_token = per_token * tis
+        # Where the cap binds the weight is exp(log cap), within an fp32 rounding of the cap;
+        # in bf16 a weight 0.4 % below the cap would round onto it, so compare before the cast.
+        capped = (tis_fp32 >= cfg.tis_cap * (1 - 1e-6)).float()
+        tis_metrics = {
+            "tis_weight/mean": masked_mean(tis, maskb),
+            "tis_clip_frac/mean": masked_mean(capped, maskb),
+        }
 
     kl_tok: torch.Tensor | None = None
     if ref_logp is not None:
@@ -176,15 +184,11 @@ def policy_loss(
         metrics = _metrics(maskb, r, lp, lp_old, t.clip_low, t.clip_high, c_raw, weights, kl_tok)
         if cfg.dual_clip_c is not None:
             metrics["clip_frac_dual/mean"] = masked_mean(t.clip_dual.float(), maskb)
-        if cfg.c_trust_bound is not None:
+        if clip_c is not None:
             metrics["clip_frac_c/mean"] = masked_mean(clip_c.float(), maskb)
         if entropy is not None:
             metrics["entropy/mean"] = masked_mean(entropy, maskb)
-        if tis is not None:
-            metrics["tis_weight/mean"] = masked_mean(tis, maskb)
-            metrics["tis_clip_frac/mean"] = masked_mean(
-                (tis >= cfg.tis_cap * (1 - 1e-6)).float(), maskb
-            )
+        metrics.update(tis_metrics)
         metrics["loss/sum"] = loss.detach().float()
     return loss, metrics
 
@@ -299,10 +303,10 @@ def _ppo_clip_surrogate(t: _Tokens, cfg: LossConfig) -> torch.Tensor:
 
 def _reco_surrogate(
     t: _Tokens, cfg: LossConfig, stats: TokenStats | None, stats_old: TokenStats | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``-sg(c) A log p`` where no clip fires, 0 elsewhere; returns ``(per_token, c_raw,
     clip_c)``, all ``[B, T]``: the raw token ratio (metrics) and where the trust region on c
-    dropped a token."""
+    dropped a token (``None`` without a trust region, ``cfg.c_trust_bound is None``)."""
     maskb, zeros, lp, adv = t.mask, t.zeros, t.lp, t.adv
     sum_p2 = None if stats is None else torch.where(maskb, stats.sum_p2, zeros)
     sum_p2_old = None if stats_old is None else torch.where(maskb, stats_old.sum_p2, zeros)
@@ -317,12 +321,13 @@ def _reco_surrogate(
         max_log_ratio=cfg.max_log_ratio,
     )
     c = tr.ratio.detach()
-    clip_c = torch.zeros_like(maskb)
+    clip_c = None
+    dropped = t.clip_high | t.clip_low | t.clip_dual
     bound = cfg.c_trust_bound
     if bound is not None:
         clip_c = maskb & (tr.raw > bound) & (adv * c_growth(lp, cfg.token_ratio, sum_p2) > 0)
         c = c.clamp(max=bound)
-    dropped = t.clip_high | t.clip_low | t.clip_dual | clip_c
+        dropped = dropped | clip_c
     return torch.where(dropped, zeros, -(c * adv) * lp), tr.raw, clip_c
 
 

@@ -44,8 +44,9 @@ def bernoulli_variance(logp: torch.Tensor, prob_eps: float) -> torch.Tensor:
 
 
 def categorical_variance(sum_p2: torch.Tensor, prob_eps: float) -> torch.Tensor:
-    """``1 - sum_v p_v^2`` clamped to ``[prob_eps, 1]``. Detached."""
-    return (1.0 - sum_p2.detach()).clamp(min=prob_eps, max=1.0)
+    """``1 - sum_v p_v^2`` clamped to ``>= prob_eps``. Detached. (No upper clamp: a sum of
+    squares is >= 0, so the variance is <= 1 already.)"""
+    return (1.0 - sum_p2.detach()).clamp(min=prob_eps)
 
 
 def token_ratio(

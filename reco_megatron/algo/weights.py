@@ -89,14 +89,14 @@ def prefix_counts(response_ids: torch.Tensor, mask: torch.Tensor, group_size: in
     num_groups = check_groups(response_ids.shape[0], group_size, "responses")
     t = response_ids.shape[1]
     keys = _token_keys(response_ids, mask).view(num_groups, group_size, t)
-    per_group = max(group_size * group_size * max(t, 1), 1)
+    per_group = group_size * group_size * max(t, 1)  # >= 1: check_groups made G >= 1
     chunk = max(1, PREFIX_COUNT_CHUNK_ELEMENTS // per_group)
     out = []
     for start in range(0, num_groups, chunk):
         k = keys[start : start + chunk]  # [g, G, T]
         same = k.unsqueeze(2) == k.unsqueeze(1)  # [g, G, G, T]: i, j, position
         shared = torch.cummin(same.to(torch.uint8), dim=-1).values  # prefix still identical
-        out.append(shared.sum(dim=2, dtype=torch.long))  # [g, G, T]
+        out.append(shared.sum(dim=2))  # [g, G, T], int64 (torch sums integers in int64)
     return torch.cat(out, dim=0).view(-1, t) if out else keys.view(-1, t)
 
 
@@ -225,9 +225,9 @@ def response_weights(
     lengths = mask.bool().sum(dim=-1).clamp(min=1)
     mean_logp = sequence_log_prob(logp_old, mask) / lengths
     mean_logp = torch.clamp(mean_logp, min=GEOMETRIC_MIN_MEAN_LOGP)
-    log_u = (-log_g - mean_logp).view(num_groups, group_size)
-    # u / mean_group(u) == G * softmax(log u) within the group: exact, overflow-free.
-    w = group_size * torch.softmax(log_u, dim=1)
+    # u / mean_group(u) == G * softmax(log u) within the group: exact, overflow-free; and
+    # log u = -log G - mean_logp, whose constant -log G the softmax cancels.
+    w = group_size * torch.softmax(-mean_logp.view(num_groups, group_size), dim=1)
     return w.reshape(-1).clamp(min=w_min, max=w_max).float()
 
 
@@ -252,7 +252,7 @@ def batch_response_weights(
         mask,
         group_size,
         mode,
-        response_ids=response_ids if mode in TOKEN_ID_WEIGHT_MODES else None,
+        response_ids=response_ids,  # read only by the counting modes
         w_min=cfg.geometric_w_min,
         w_max=cfg.geometric_w_max,
     )

@@ -55,6 +55,12 @@ def test_invalid_raise(n: int, c: int, k: int) -> None:
         pass_at_k(n, c, k)
 
 
+def test_invalid_counts_are_quoted_as_the_integers_they_are() -> None:
+    """The error quotes the counts as counts (``n=[4, 4]``), also when they came as floats."""
+    with pytest.raises(ValueError, match=r"^need 0 <= c <= n, got n=\[4, 4\] c=\[1, 5\]$"):
+        pass_at_k([4.0, 4.0], [1, 5], 1)
+
+
 def test_diversity_token_ids() -> None:
     group = [[1, 2, 3], [1, 2, 3], [1, 2, 4], [5]]
     m = diversity_metrics(group, orders=(1, 2))
@@ -68,3 +74,36 @@ def test_diversity_strings_and_empty() -> None:
     m = diversity_metrics(["a b", "a b", "b a"], orders=(1, 3))
     assert m == {"unique_frac": 2 / 3, "distinct_1": 2 / 6, "distinct_3": 0.0}
     assert diversity_metrics([])["unique_frac"] == 0.0
+
+
+def test_certain_cases_stay_exact_where_the_product_would_overflow() -> None:
+    """``n - c < k`` must be decided before the product: with n = c = 2000, k = 1500 the
+    factors ``1 - k/i`` for i < 1500 are as large as -1499 and their product overflows to inf
+    long before the zero factor at i = k, giving inf * 0 = NaN. (A shortcut that never fires,
+    such as ``n + c < k``, agrees with math.comb on small n and fails here.)"""
+    with np.errstate(all="ignore"):
+        got = pass_at_k(np.array([2000, 2000]), np.array([2000, 600]), 1500)
+    np.testing.assert_array_equal(got, [1.0, 1.0])
+
+
+@pytest.mark.parametrize(
+    ("n", "c", "k", "name"),
+    [
+        (2.7, 1, 1, "n"),
+        (4, 1.5, 1, "c"),
+        (4, 1, 2.5, "k"),
+        (4, 1, float("nan"), "k"),
+        (float("inf"), 1, 1, "n"),
+    ],
+)
+def test_fractional_counts_are_refused_not_truncated(
+    n: float, c: float, k: float, name: str
+) -> None:
+    """A cast to int64 would read c = 1.5 as 1 and answer silently; the error names the value."""
+    with pytest.raises(ValueError, match=rf"counts must be whole numbers, got {name}="):
+        pass_at_k(n, c, k)
+
+
+def test_whole_valued_floats_are_counts() -> None:
+    """Counts read from JSON or averaged arrays arrive as floats: 8.0 is the count 8."""
+    assert float(pass_at_k(8.0, 2.0, 4.0)) == float(pass_at_k(8, 2, 4))

@@ -71,3 +71,18 @@ def test_importance_differentiable_others_detached() -> None:
     lp = torch.tensor([-1.0], requires_grad=True)
     assert token_ratio(lp, torch.tensor([-2.0]), "importance").ratio.requires_grad
     assert not token_ratio(lp, torch.tensor([-2.0]), "bernoulli").ratio.requires_grad
+
+
+def test_the_default_token_ratio_is_bernoulli() -> None:
+    """``token_ratio(logp, logp_old)`` is the ReCo default, the Bernoulli variance ratio."""
+    lp, lp_old = _lp(0.3, 0.9), _lp(0.5, 0.6)
+    default = token_ratio(lp, lp_old)
+    bern = token_ratio(lp, lp_old, "bernoulli")
+    assert torch.equal(default.raw, bern.raw)
+    assert default.raw[0].item() == pytest.approx(0.3 * 0.7 / 0.25, rel=1e-9)
+
+
+def test_the_importance_ratio_takes_the_given_max_log_ratio() -> None:
+    """``max_log_ratio`` reaches the importance ratio: a log-ratio of 3 clamped at 1 gives e."""
+    got = token_ratio(_lp(0.5), _lp(0.5 * math.exp(-3)), "importance", max_log_ratio=1.0)
+    assert got.ratio.item() == pytest.approx(math.e, rel=1e-12)

@@ -31,3 +31,19 @@ def test_tis_needs_rollout_logprobs_and_a_positive_cap() -> None:
         policy_loss(x, x.detach(), torch.ones(1), torch.ones(1, 2), cfg)
     with pytest.raises(ValueError, match="tis_cap must be a finite number > 0"):
         LossConfig(tis_cap=0.0)
+
+
+def test_a_bf16_weight_just_below_the_cap_is_not_counted_as_capped() -> None:
+    """``tis_clip_frac`` counts the tokens whose weight the cap set. In bf16 a weight of
+    e^0.2578 = 1.294 (below the cap 1.3) rounds to 1.296875, the bf16 value of the cap itself,
+    so the fraction must be decided on the fp32 weights, before the cast; the weight the loss
+    applies stays the bf16 one. Token 1 (e^2) is capped, token 0 is not: 1/2."""
+    logp = torch.zeros(1, 2, dtype=torch.bfloat16, requires_grad=True)
+    rollout = torch.tensor([[-0.2578125, -2.0]], dtype=torch.bfloat16)  # exact in bf16
+    cfg = LossConfig.preset("grpo", kl_coef=0.0, tis_cap=1.3)
+    _, metrics = policy_loss(
+        logp, logp.detach(), torch.ones(1), torch.ones(1, 2), cfg, rollout_logp=rollout
+    )
+    assert metrics["tis_clip_frac/mean"].item() == 0.5
+    # the mean weight is that of the bf16 weights the loss used: (1.296875 + 1.296875) / 2
+    assert metrics["tis_weight/mean"].item() == pytest.approx(1.296875, abs=1e-6)

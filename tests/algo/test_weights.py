@@ -196,3 +196,76 @@ def test_prefix_edge_cases_finite(mode: str) -> None:
 def test_prefix_empirical_needs_ids() -> None:
     with pytest.raises(ValueError, match="'prefix_empirical' needs response_ids"):
         response_weights(torch.zeros(4, 2), torch.ones(4, 2), 4, "prefix_empirical")
+
+
+def test_bf16_log_probs_are_summed_in_fp32() -> None:
+    """A sequence log-prob sums T tokens: in bf16 (8 bits of mantissa) 300 tokens of -0.01
+    would drift far from -3; the sum is taken in fp32 on the bf16 values, and fp32 is what the
+    weights come out in."""
+    from reco_megatron.algo.weights import prefix_log_prob, sequence_log_prob
+
+    lp = torch.full((1, 300), -0.01).bfloat16()
+    mask = torch.ones(1, 300)
+    got = sequence_log_prob(lp, mask)
+    assert got.dtype == torch.float32
+    assert got.item() == pytest.approx(lp.float().sum().item(), rel=1e-6)
+    assert prefix_log_prob(lp, mask)[0, -1].item() == pytest.approx(got.item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["empirical", "prefix_empirical"])
+def test_a_padded_position_never_matches_a_token_id(mode: str) -> None:
+    """Responses (5, 1) and (5) + padding differ: padded positions get a key no token id can
+    have (-1), so a pad is not taken for token 1 (or any id >= 0). Each response is alone."""
+    ids = torch.tensor([[5, 1], [5, 7]])
+    mask = torch.tensor([[1, 1], [1, 0]])
+    w = response_weights(torch.zeros(2, 2), mask, 2, mode, response_ids=ids)
+    last = w if mode == "empirical" else w[:, -1]
+    torch.testing.assert_close(last, torch.ones(2))
+    ids_pad_one = torch.tensor([[5, 1], [5, 1]])  # the padded id equals the other's token
+    w = response_weights(torch.zeros(2, 2), mask, 2, mode, response_ids=ids_pad_one)
+    last = w if mode == "empirical" else w[:, -1]
+    torch.testing.assert_close(last, torch.ones(2))
+
+
+def test_prefix_counts_of_no_rows_is_empty() -> None:
+    """No groups: a [0, T] count tensor, not an error from concatenating no chunks."""
+    from reco_megatron.algo.weights import prefix_counts
+
+    got = prefix_counts(torch.zeros(0, 3, dtype=torch.long), torch.zeros(0, 3), 4)
+    assert got.shape == (0, 3)
+
+
+def test_prefix_counts_do_not_depend_on_the_chunking(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Groups processed two per chunk (the chunk bound set to two groups' G * G * T) give the
+    same counts as all at once: the chunks are concatenated along the group axis, in order."""
+    from reco_megatron.algo import weights
+
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 2, (16, 5), generator=gen)  # 4 groups of 4, many shared prefixes
+    mask = torch.ones(16, 5)
+    whole = weights.prefix_counts(ids, mask, 4)
+    monkeypatch.setattr(weights, "PREFIX_COUNT_CHUNK_ELEMENTS", 2 * 4 * 4 * 5)
+    assert torch.equal(weights.prefix_counts(ids, mask, 4), whole)
+    assert not torch.equal(whole[:4], whole[4:8])  # the groups differ: an order mix-up shows
+
+
+def test_none_weights_are_fp32_whatever_the_default_dtype() -> None:
+    """The docstring promises fp32 weights; ``torch.set_default_dtype(float64)`` in a caller
+    must not change that."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        w = response_weights(torch.zeros(4, 2), torch.ones(4, 2), 4, "none")
+    finally:
+        torch.set_default_dtype(old)
+    assert w.dtype == torch.float32
+
+
+def test_geometric_mean_of_a_one_token_response_is_its_log_prob() -> None:
+    """The per-token mean divides by the response length, 1 here: a one-token response with
+    log-prob -1 and a two-token one with -1, -1 have the same geometric mean, so equal
+    weights (1, 1 after normalising to mean 1)."""
+    lp = torch.tensor([[-1.0, 0.0], [-1.0, -1.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 0], [1, 1]])
+    w = response_weights(lp, mask, 2, "geometric")
+    torch.testing.assert_close(w, torch.ones(2), rtol=1e-6, atol=0)
