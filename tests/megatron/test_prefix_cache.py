@@ -115,3 +115,15 @@ def test_a_zero_bound_keeps_nothing_and_a_negative_one_is_refused() -> None:
     assert len(store) == 0
     with pytest.raises(ValueError, match="-1"):
         PrefixStore(limit=-1)
+
+
+def test_the_trainer_turns_it_on_for_episodes_only_unless_told() -> None:
+    from reco_megatron.trainer.orchestration.engines import _prefix_cache_bytes
+    from reco_megatron.trainer.rollout_config import RolloutConfig
+
+    assert _prefix_cache_bytes(RolloutConfig()) == 0  # single-turn: nothing would hit
+    assert _prefix_cache_bytes(RolloutConfig(env="calculator")) is None  # the decoder's default
+    assert _prefix_cache_bytes(RolloutConfig(prefix_cache_gib=0.5)) == 2**29
+    assert _prefix_cache_bytes(RolloutConfig(env="calculator", prefix_cache_gib=0)) == 0
+    with pytest.raises(ValueError, match="prefix_cache_gib must be >= 0 GiB or null, got -1"):
+        RolloutConfig(prefix_cache_gib=-1)
