@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from reco_megatron.megatron.decoding.graphs import StepGraphs
 from reco_megatron.megatron.decoding.groups import StageGroups
+from reco_megatron.megatron.decoding.memory import CacheMemory
 from reco_megatron.megatron.decoding.prefix import CallPrefixes, PrefixCache
 from reco_megatron.megatron.decoding.sequence_parallel import sequence_parallel_off
 from reco_megatron.megatron.decoding.stage import StageForward
@@ -57,7 +58,6 @@ from reco_megatron.megatron.decoding.state import (
     advance,
     bucket,
     prompt_batch,
-    window_for,
 )
 
 SampleFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -139,8 +139,7 @@ class MegatronDecoder:
         self.groups = StageGroups(
             self.pp_group, self.pp_size, ranks[-1], self._ep_group, self.device
         )
-        self._kv_limit = kv_cache_bytes
-        self._cache: Any = None
+        self.memory = CacheMemory(self.stage, self.max_model_len, max_batch_size, kv_cache_bytes)
         self._state: CallState | None = None
         graphs = cuda_graphs and self.pp_size == 1 and self._ep_group is None
         self.graphs = StepGraphs(graphs and self.routing is None, self.device)
@@ -149,42 +148,27 @@ class MegatronDecoder:
         self._prefixes: CallPrefixes | None = None  # the call's use of it
 
     # ----------------------------------------------------------------- the KV cache
+    @property
+    def _cache(self) -> Any:
+        return self.memory.cache
+
     def kv_cache_bytes(self) -> int:
         """Bytes held by the KV cache now (0 after :meth:`free_cache`)."""
-        return 0 if self._cache is None else self._cache.nbytes()
+        return self.memory.nbytes()
 
     def free_cache(self) -> None:
         """Drop the KV cache (and the captured steps that read it); the next call re-allocates."""
-        self._cache = None
         self._state = None
         self.graphs.reset()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        self.memory.free()
 
     def kv_limit(self) -> int:
         """Bytes the KV cache may take on this rank (``kv_cache_bytes``, or the default)."""
-        if self._kv_limit is None:
-            if self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                self._kv_limit = (free + self.kv_cache_bytes()) // 2
-            else:
-                self._kv_limit = 4 * 2**30
-        return self._kv_limit
+        return self.memory.limit()
 
     def max_rows(self, length: int) -> int:
-        """Rows one call may decode with ``length`` positions: ``max_batch_size``, or with
-        ``auto`` as many as fit in :meth:`kv_limit` (at least 1)."""
-        if self.max_batch_size is not None:
-            return self.max_batch_size
-        per_row = max(self.stage.bytes_per_row(window_for(length, self.max_model_len)), 1)
-        return max(1, self.kv_limit() // per_row)
-
-    def _cache_for(self, rows: int, window: int) -> None:
-        """Keep the cache if it holds ``rows`` x ``window``, else free it and allocate one."""
-        cache = self._cache
-        if cache is None or cache.rows < rows or cache.length < window:
-            self.free_cache()
-            self._cache = self.stage.new_cache(rows, window)
+        """Rows one call may decode with ``length`` positions (:meth:`CacheMemory.max_rows`)."""
+        return self.memory.max_rows(length)
 
     def reset_prefix_cache(self) -> None:
         """Drop every kept prefix: call it on every rank whenever the weights change."""
@@ -325,21 +309,10 @@ class MegatronDecoder:
         """
         b, max_new = noise.shape
         lengths = [len(p) for p in prompts]
-        if b != len(prompts) or b < 1 or min(lengths) < 1:
-            raise ValueError(
-                f"{len(prompts)} prompts with noise {tuple(noise.shape)}: need one non-empty "
-                "prompt per noise row"
-            )
-        total = max(lengths) + max_new
-        if total > self.max_model_len:
-            raise ValueError(
-                f"longest prompt {max(lengths)} + max_new_tokens {max_new} = {total} > "
-                f"max_model_len {self.max_model_len}"
-            )
-        if b > self.max_rows(total):
-            raise ValueError(f"{b} rows > {self.max_rows(total)} that fit the KV cache")
-        window = window_for(total, self.max_model_len)
-        self._cache_for(b, window)
+        window = self.memory.window(lengths, b, max_new)
+        if not self.memory.holds(b, window):
+            self.free_cache()
+            self.memory.allocate(b, window)
         state = self._call_state(noise, stop_ids)
         if self.routing is not None:
             from reco_megatron.megatron.model.replay_hook import MISSING, routed_dtype
