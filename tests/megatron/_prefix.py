@@ -161,3 +161,32 @@ def partial_body(rank: int, world: int) -> Any:
             abs(x - y) for a, b in pairs for x, y in zip(a[0].logprobs, b[0].logprobs, strict=True)
         ),
     }
+
+
+def recording_body(rank: int, world: int) -> Any:
+    """An MoE decoder that records routing: the prefix cache stays off (every call prefills
+    whole prompts and records every prompt position's experts, as before)."""
+    from reco_megatron.megatron.decoding.decoder import MegatronDecoder
+    from reco_megatron.rollout.megatron_engine import MegatronEngine, MegatronEngineConfig
+    from tests.megatron import _moe
+
+    engine = _moe.build_engine(routing_replay="record")
+    decoder = MegatronDecoder(
+        engine.unwrapped(),
+        vocab_size=engine.model_cfg.vocab_size,
+        max_model_len=engine.model_cfg.max_position_embeddings,
+        routing=engine.routing,
+        record_routing=True,
+    )
+    eng = MegatronEngine(decoder, MegatronEngineConfig(seed=0))
+    params = [SamplingParams(max_new_tokens=NEW, seed=i) for i in range(2)]
+    first = eng.generate(PROMPTS[:2], 1, params)
+    nexts = [p + g[0].token_ids + OBSERVATION for p, g in zip(PROMPTS[:2], first, strict=True)]
+    second = eng.generate(nexts, 1, params)
+    fed = [c[0].routed_experts[: len(p)] for c, p in zip(second, nexts, strict=True)]
+    return {
+        "enabled": decoder.prefix_cache.enabled,
+        "store": decoder.prefix_cache.store,
+        "reused": decoder.prefix_cache.reused_positions,
+        "prompt_experts_recorded": all(bool((e >= 0).all()) for e in fed),
+    }

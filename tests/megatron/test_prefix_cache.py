@@ -85,6 +85,13 @@ def test_a_prompt_sharing_part_of_a_kept_sequence_or_equal_to_one_decodes_the_sa
     assert got["same"] and got["gap"] < TOL
 
 
+@pytest.mark.dist
+def test_it_stays_off_while_recording_moe_routing() -> None:
+    (got,) = run_distributed(_prefix.recording_body, 1, timeout=300)
+    assert not got["enabled"] and got["store"] is None and got["reused"] == 0
+    assert got["prompt_experts_recorded"]  # every prompt position fed, as before
+
+
 def _kv(length: int) -> torch.Tensor:
     return torch.full((1, 2, 1, length, 2), float(length))
 
