@@ -229,6 +229,7 @@ def main() -> None:
             vocab_size=model_cfg.vocab_size,
             max_model_len=max_len,
             max_batch_size=None if auto else args.max_batch_size,
+            prefix_cache_bytes=0,  # single-turn prompts: as the trainer without rollout.env
         )
         engine = MegatronEngine(decoder, MegatronEngineConfig(eos_token_ids=()))
         outs["megatron"], result["megatron"] = _timed(

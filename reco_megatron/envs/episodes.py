@@ -13,8 +13,10 @@ model-parallel group) episodes go turn by turn.
 The first turn is exactly the single-turn call (the same prompts, ``n`` and per-prompt seeds),
 so an environment that ends every episode after one action reproduces single-turn sampling.
 Later turns decode each episode as its own prompt, ``prompt + tokens so far``, with the seed
-``hash((prompt seed, sample, turn))``: the engine re-reads (prefills) the context each turn
-(vLLM's prefix cache keeps it cheap; the embedded and megatron engines recompute it).
+``hash((prompt seed, sample, turn))``. Each turn's prompt is the whole context: vLLM's prefix
+cache and the megatron engine's (``rollout.prefix_cache_gib``, on with an environment) reuse
+the keys and values of the earlier turns and prefill only the new tokens (the last action token
+and the observation); the embedded engine prefills the whole context again.
 
 An episode ends when its environment says ``done`` (an action that ended on an
 end-of-sequence token is still handed to ``step``: in a chat the assistant ends every turn so,

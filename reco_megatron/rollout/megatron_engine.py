@@ -15,6 +15,10 @@ Weights: the decoder reads the trainer's live parameters, so there is nothing to
 :meth:`MegatronEngine.update_weights` takes an *empty* stream (what
 :func:`reco_megatron.trainer.orchestration.engines.sync_weights` sends it) and refuses
 tensors: pushing converted weights into the training model would silently overwrite the policy.
+Every update and every :meth:`~MegatronEngine.sleep` (the trainer updates the weights while the
+engine sleeps) drops the decoder's prefix cache (:meth:`ModelDecoder.reset_prefix_cache`): the
+keys and values of earlier turns that multi-turn episodes reuse from one ``generate`` call to
+the next were computed with the old weights.
 """
 
 from __future__ import annotations
@@ -80,6 +84,11 @@ class ModelDecoder(Protocol):
         """Release the KV cache."""
         ...
 
+    def reset_prefix_cache(self) -> None:
+        """Drop the keys and values kept for prompts that extend earlier ones (the weights
+        changed)."""
+        ...
+
 
 @dataclass(kw_only=True)
 class MegatronEngineConfig:
@@ -142,8 +151,9 @@ class MegatronEngine(SeededCalls, RolloutEngine):
     def _load_weights(self, stream: Iterator[tuple[str, torch.Tensor]]) -> None:
         """Accept only the empty stream: the weights are the trainer's own, always current.
 
-        The KV cache kept between calls holds finished calls' keys only (every call writes its
-        own), so the sync is a no-op; a non-empty stream raises instead of overwriting the policy.
+        The KV cache kept between calls is rewritten by every call; the prefix cache is
+        dropped once the update is in (:meth:`_after_weights_loaded`). A non-empty stream
+        raises instead of overwriting the policy.
         """
         self._check_open()
         names = [name for name, _ in stream]
@@ -217,9 +227,20 @@ class MegatronEngine(SeededCalls, RolloutEngine):
         )
         return [[c for c in group if c is not None] for group in out]
 
+    def _after_weights_loaded(self) -> None:
+        """The weights changed: kept prefixes of the old weights must not be reused."""
+        self.decoder.reset_prefix_cache()
+
+    def sleep(self) -> None:
+        """As every engine's (:meth:`RolloutEngine.sleep`), and drop the prefix cache: the
+        trainer updates the weights while the engine sleeps."""
+        self.decoder.reset_prefix_cache()
+        super().sleep()
+
     def _release_memory(self) -> None:
         """Free the KV cache unless it is kept (``release_cache_after_generate=False``); the
-        weights are the trainer's and stay where they are."""
+        weights are the trainer's and stay where they are. The prefix cache stays (the next
+        turn of an episode reuses it) until the weights change or the engine sleeps."""
         self._check_open()
         if self.config.release_cache_after_generate:
             self.decoder.free_cache()
@@ -231,6 +252,7 @@ class MegatronEngine(SeededCalls, RolloutEngine):
         """Free the KV cache; the engine cannot be used afterwards."""
         if not self._closed:
             self.decoder.free_cache()
+            self.decoder.reset_prefix_cache()
             self._closed = True
 
     def _check_open(self) -> None:

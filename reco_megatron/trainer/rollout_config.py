@@ -55,6 +55,12 @@ class RolloutConfig:
     step's generation to the next, through the update. ``false`` frees it when generation
     returns, so the update gets that memory back (and the next generation allocates and
     captures again): set it when the update runs out of memory next to the cache."""
+    prefix_cache_gib: float | None = None
+    """Megatron engine: the most memory per rank for keys and values kept from one call to the
+    next, so that a multi-turn episode's next turn prefills only its new tokens (its last
+    action token and the observation), not the whole context again. Dropped at every weight
+    sync. None: half of ``kv_cache_gib``'s bound with ``env`` set, off without (single-turn
+    prompts never extend an earlier call's); 0: off."""
 
     env: str = ""
     """Multi-turn episodes: the environment every response is an episode of (a built-in name
@@ -136,6 +142,11 @@ class RolloutConfig:
             isinstance(gib, bool) or not isinstance(gib, (int, float)) or gib <= 0
         ):
             raise ValueError(f"rollout.kv_cache_gib must be > 0 GiB or null, got {gib!r}")
+        gib = self.prefix_cache_gib
+        if gib is not None and (
+            isinstance(gib, bool) or not isinstance(gib, (int, float)) or gib < 0
+        ):
+            raise ValueError(f"rollout.prefix_cache_gib must be >= 0 GiB or null, got {gib!r}")
         if self.group_size < 2:
             raise ValueError(
                 f"group_size must be >= 2, got {self.group_size}: group advantages "

@@ -77,6 +77,15 @@ class KVCache:
         """``[rows, kv_heads, length, head_dim]`` view of the ``slots``."""
         return self.kv[layer, 1, slots, :, :length]
 
+    def read(self, slot: int, length: int) -> torch.Tensor:
+        """A copy of slot ``slot``'s first ``length`` positions, ``[layers, 2, kv_heads,
+        length, head_dim]`` (what the prefix cache stores)."""
+        return self.kv[:, :, slot, :, :length].clone()
+
+    def load(self, slot: int, kv: torch.Tensor) -> None:
+        """Write ``kv`` (as :meth:`read` returns it) into slot ``slot``'s first positions."""
+        self.kv[:, :, slot, :, : kv.shape[3]] = kv
+
     def compact(self, order: torch.Tensor) -> None:
         """Slot ``j`` takes slot ``order[j]``'s keys and values, for ``j < len(order)``."""
         n = order.numel()

@@ -30,6 +30,10 @@ MoE layer, so they run the same number of forwards: at every host read they agre
 all-reduce) whether anyone still decodes, and a rank without live rows joins with one-token
 forwards without the cache (:meth:`decode_idle` does the same for a whole call). Expert
 parallel and PP steps, and steps that record routing, stay eager (no CUDA graph).
+
+Prefix cache (:mod:`.prefix`): a prompt that extends a finished row of an earlier call
+prefills only its new tokens; the owner calls :meth:`MegatronDecoder.reset_prefix_cache` when
+the weights change. Off while recording MoE routing and under expert parallelism.
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ import torch.distributed as dist
 
 from reco_megatron.megatron.decoding.graphs import StepGraphs
 from reco_megatron.megatron.decoding.groups import StageGroups
+from reco_megatron.megatron.decoding.memory import CacheMemory
+from reco_megatron.megatron.decoding.prefix import CallPrefixes, PrefixCache
 from reco_megatron.megatron.decoding.sequence_parallel import sequence_parallel_off
 from reco_megatron.megatron.decoding.stage import StageForward
 from reco_megatron.megatron.decoding.state import (
@@ -52,7 +58,6 @@ from reco_megatron.megatron.decoding.state import (
     advance,
     bucket,
     prompt_batch,
-    window_for,
 )
 
 SampleFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -76,6 +81,8 @@ class MegatronDecoder:
         routing / record_routing: the policy's MoE routing; record each position's experts.
         sync_every: decode steps between two host reads of the state.
         cuda_graphs: capture the decode step on CUDA (dense models, PP 1, no recording).
+        prefix_cache_bytes: the most the prefix cache may hold on this rank (None: half of
+            :meth:`kv_limit`; 0: off); see :class:`.prefix.PrefixCache`.
     """
 
     def __init__(
@@ -91,6 +98,7 @@ class MegatronDecoder:
         record_routing: bool = False,
         sync_every: int = 8,
         cuda_graphs: bool = True,
+        prefix_cache_bytes: int | None = None,
     ) -> None:
         from megatron.core import parallel_state as ps
 
@@ -131,49 +139,40 @@ class MegatronDecoder:
         self.groups = StageGroups(
             self.pp_group, self.pp_size, ranks[-1], self._ep_group, self.device
         )
-        self._kv_limit = kv_cache_bytes
-        self._cache: Any = None
+        self.memory = CacheMemory(self.stage, self.max_model_len, max_batch_size, kv_cache_bytes)
         self._state: CallState | None = None
         graphs = cuda_graphs and self.pp_size == 1 and self._ep_group is None
         self.graphs = StepGraphs(graphs and self.routing is None, self.device)
+        on = self.routing is None and ep == 1  # where the prefix cache may be used
+        self.prefix_cache = PrefixCache(prefix_cache_bytes, on, ps.get_model_parallel_group())
+        self._prefixes: CallPrefixes | None = None  # the call's use of it
 
     # ----------------------------------------------------------------- the KV cache
+    @property
+    def _cache(self) -> Any:
+        return self.memory.cache
+
     def kv_cache_bytes(self) -> int:
         """Bytes held by the KV cache now (0 after :meth:`free_cache`)."""
-        return 0 if self._cache is None else self._cache.nbytes()
+        return self.memory.nbytes()
 
     def free_cache(self) -> None:
         """Drop the KV cache (and the captured steps that read it); the next call re-allocates."""
-        self._cache = None
         self._state = None
         self.graphs.reset()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        self.memory.free()
 
     def kv_limit(self) -> int:
         """Bytes the KV cache may take on this rank (``kv_cache_bytes``, or the default)."""
-        if self._kv_limit is None:
-            if self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                self._kv_limit = (free + self.kv_cache_bytes()) // 2
-            else:
-                self._kv_limit = 4 * 2**30
-        return self._kv_limit
+        return self.memory.limit()
 
     def max_rows(self, length: int) -> int:
-        """Rows one call may decode with ``length`` positions: ``max_batch_size``, or with
-        ``auto`` as many as fit in :meth:`kv_limit` (at least 1)."""
-        if self.max_batch_size is not None:
-            return self.max_batch_size
-        per_row = max(self.stage.bytes_per_row(window_for(length, self.max_model_len)), 1)
-        return max(1, self.kv_limit() // per_row)
+        """Rows one call may decode with ``length`` positions (:meth:`CacheMemory.max_rows`)."""
+        return self.memory.max_rows(length)
 
-    def _cache_for(self, rows: int, window: int) -> None:
-        """Keep the cache if it holds ``rows`` x ``window``, else free it and allocate one."""
-        cache = self._cache
-        if cache is None or cache.rows < rows or cache.length < window:
-            self.free_cache()
-            self._cache = self.stage.new_cache(rows, window)
+    def reset_prefix_cache(self) -> None:
+        """Drop every kept prefix: call it on every rank whenever the weights change."""
+        self.prefix_cache.reset()
 
     # ----------------------------------------------------------------- expert parallel
     def lockstep_calls(self, calls: int) -> int:
@@ -217,20 +216,27 @@ class MegatronDecoder:
     def _prefill(
         self, state: CallState, prompts: Sequence[Sequence[int]], window: int, sample: SampleFn
     ) -> Slots:
-        """Feed every prompt (one forward, or one per group of rows when the attention
-        scores would be large; one under expert parallelism), sample each first token."""
+        """Feed every prompt, past what the prefix cache holds of it (one forward, or one per
+        group of rows when the attention scores would be large; one under expert
+        parallelism), sample each first token."""
         b, lengths = len(prompts), [len(p) for p in prompts]
         longest = max(lengths)
-        tokens, positions, last = prompt_batch(prompts, self.pad_id, self.device)
+        prefixes = self._prefixes
+        starts = prefixes.load_hits(self._cache) if prefixes is not None else [0] * b
+        self.prefix_cache.count(sum(lengths), sum(starts))
+        tokens, positions, index_of_last, last = prompt_batch(
+            prompts, self.pad_id, self.device, starts, window
+        )
         slots = self.graphs.slots(b)
         slots.rows.copy_(torch.arange(b, device=self.device))
         slots.positions.copy_(last)
-        step = b if self._ep_group is not None else self.stage.prefill_rows(longest, window)
+        rest = tokens.shape[1]
+        step = b if self._ep_group is not None else self.stage.prefill_rows(rest, window)
         parts = []
         for lo in range(0, b, step):
             part = slice(lo, min(b, lo + step))
             index = slots.index[part]
-            args = (tokens[part], positions[part], index, last[part], lo)
+            args = (tokens[part], positions[part], index, index_of_last[part], lo)
             parts.append(self.stage.forward(self._cache, window, *args))
             if self.routing is not None:  # the prompt positions of these rows
                 valid = [(r, t) for r in range(part.start, part.stop) for t in range(lengths[r])]
@@ -270,6 +276,9 @@ class MegatronDecoder:
         """Read the state (the host synchronisation of a round): None when every row is
         done, else the batch, moved into a smaller one when half of it or more finished."""
         live = (~state.finished[slots.rows]).cpu()
+        if self._prefixes is not None:  # keep finished rows before their slots may go
+            rows = slots.rows.cpu().tolist()
+            self._prefixes.keep(self._cache, state, rows, (~live).tolist())
         n_live = int(live.sum())
         if n_live == 0:
             return None
@@ -300,21 +309,10 @@ class MegatronDecoder:
         """
         b, max_new = noise.shape
         lengths = [len(p) for p in prompts]
-        if b != len(prompts) or b < 1 or min(lengths) < 1:
-            raise ValueError(
-                f"{len(prompts)} prompts with noise {tuple(noise.shape)}: need one non-empty "
-                "prompt per noise row"
-            )
-        total = max(lengths) + max_new
-        if total > self.max_model_len:
-            raise ValueError(
-                f"longest prompt {max(lengths)} + max_new_tokens {max_new} = {total} > "
-                f"max_model_len {self.max_model_len}"
-            )
-        if b > self.max_rows(total):
-            raise ValueError(f"{b} rows > {self.max_rows(total)} that fit the KV cache")
-        window = window_for(total, self.max_model_len)
-        self._cache_for(b, window)
+        window = self.memory.window(lengths, b, max_new)
+        if not self.memory.holds(b, window):
+            self.free_cache()
+            self.memory.allocate(b, window)
         state = self._call_state(noise, stop_ids)
         if self.routing is not None:
             from reco_megatron.megatron.model.replay_hook import MISSING, routed_dtype
@@ -352,6 +350,7 @@ class MegatronDecoder:
         ``sync_every`` forwards on every rank of the group (a rank without live rows runs
         :meth:`_idle_forward`) and starts with the group agreeing whether anyone decodes."""
         lockstep = self._ep_group is not None
+        self._prefixes = self.prefix_cache.call(prompts, self.kv_limit, self.stage.bytes_per_row(1))
         slots: Slots | None = None
         started = False
         steps_left = state.max_new - 1

@@ -67,3 +67,14 @@ class StageGroups:
         parts = [torch.empty_like(local) for _ in range(self.pp_size)]
         dist.all_gather(parts, local, group=self.pp_group)
         return torch.cat([p.cpu() for p in parts], dim=2).to(routed.dtype)
+
+
+def least(value: int, group: Any) -> int:
+    """The smallest ``value`` over ``group`` (None or one rank: ``value``)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return value
+    from reco_megatron.parallel.collectives import collective_device
+
+    box = torch.tensor([value], dtype=torch.int64).to(collective_device(group))
+    dist.all_reduce(box, op=dist.ReduceOp.MIN, group=group)
+    return int(box.item())

@@ -174,17 +174,32 @@ def advance(state: CallState, slots: Slots, tokens: torch.Tensor, logprobs: torc
 
 
 def prompt_batch(
-    prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``tokens``, ``positions`` ``[b, longest]`` (right padding with ``pad_id``; every row
-    at positions ``0..longest-1``) and each row's last prompt position ``[b]``, on ``device``."""
-    b, longest = len(prompts), max(len(p) for p in prompts)
+    prompts: Sequence[Sequence[int]],
+    pad_id: int,
+    device: torch.device,
+    starts: Sequence[int] | None = None,
+    window: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The prefill batch of ``prompts`` whose first ``starts[r]`` positions are already in
+    the cache (None: none are): ``tokens``, ``positions`` ``[b, s]`` with ``s`` the longest
+    rest (right padding with ``pad_id``; row ``r`` at its absolute positions ``starts[r] ..``,
+    padding clipped to ``window - 1``: padded positions write keys that the causal bias hides
+    and a later write replaces), each row's last prompt token's index in the batch ``[b]``
+    and its position ``[b]``, on ``device``."""
+    b = len(prompts)
+    starts = [0] * b if starts is None else list(starts)
+    rests = [len(p) - s for p, s in zip(prompts, starts, strict=True)]
+    longest = max(rests)
     buf = torch.full((b, longest), pad_id, dtype=torch.long)
-    for r, p in enumerate(prompts):
-        buf[r, : len(p)] = torch.tensor(list(p), dtype=torch.long)
-    positions = torch.arange(longest, device=device).expand(b, -1)
+    for r, (p, s) in enumerate(zip(prompts, starts, strict=True)):
+        buf[r, : rests[r]] = torch.tensor(list(p[s:]), dtype=torch.long)
+    offsets = torch.tensor(starts, dtype=torch.long)[:, None]
+    positions = offsets + torch.arange(longest)
+    if window is not None:
+        positions = positions.clamp(max=window - 1)
+    index = torch.tensor(rests, device=device) - 1
     last = torch.tensor([len(p) for p in prompts], device=device) - 1
-    return buf.to(device), positions, last
+    return buf.to(device), positions.to(device), index, last
 
 
 def bucket(live: int, current: int) -> int:

@@ -39,6 +39,7 @@ from reco_megatron.rollout.requests import SamplingParams
 from reco_megatron.trainer.config import TrainConfig
 from reco_megatron.trainer.orchestration.source import ColocatedRollout, PromptSource, RolloutSource
 from reco_megatron.trainer.orchestration.sync import RolloutClient
+from reco_megatron.trainer.rollout_config import RolloutConfig
 from reco_megatron.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -166,11 +167,20 @@ def _megatron_engine(
         pad_id=eos[0],
         routing=policy.routing,
         record_routing=cfg.update.routing_replay != "off",
+        prefix_cache_bytes=_prefix_cache_bytes(r),
     )
     engine_cfg = MegatronEngineConfig(
         seed=cfg.trainer.seed, eos_token_ids=eos, release_cache_after_generate=not r.keep_kv_cache
     )
     return MegatronEngine(decoder, engine_cfg)
+
+
+def _prefix_cache_bytes(r: RolloutConfig) -> int | None:
+    """``rollout.prefix_cache_gib`` in bytes (None: the decoder's default with an environment,
+    off without: single-turn prompts never extend an earlier call's)."""
+    if r.prefix_cache_gib is None:
+        return None if r.env else 0
+    return int(r.prefix_cache_gib * 2**30)
 
 
 def write_rollout_model_dir(cfg: TrainConfig, hf_config: dict[str, Any]) -> Path:
