@@ -2,7 +2,7 @@
 
 ``placement: colocated`` (the default) generates on the trainer's own ranks between updates;
 ``placement: separate`` runs ``num_workers`` rollout worker processes on their own devices
-(:mod:`reco_megatron.rollout.worker`) that generate while the trainer trains, on weights at
+(:mod:`reco_megatron.rollout_worker`) that generate while the trainer trains, on weights at
 most ``max_staleness`` steps old (docs/rollout.md, "Separate placement").
 """
 
@@ -88,7 +88,7 @@ class RolloutConfig:
     """``placement=separate``: rollout worker processes (each generates whole groups)."""
     worker_launch: WorkerLaunch = "spawn"
     """``spawn``: the trainer's first rank starts the workers on its node (``python -m
-    reco_megatron.rollout.worker``; one GPU each from ``worker_gpus``, or the CPU).
+    reco_megatron.rollout_worker``; one GPU each from ``worker_gpus``, or the CPU).
     ``external``: the job script starts them (``ROLLOUT_NODES`` in ``slurm/reco.sbatch``); they
     find the trainer through ``<output_dir>/rollout/address.json``."""
     worker_gpus: list[int] = field(default_factory=list)

@@ -58,7 +58,7 @@ def test_the_staleness_bound_follows_the_placement() -> None:
 
 
 def test_the_generation_watch_names_the_request_and_the_bound() -> None:
-    from reco_megatron.rollout.worker import GenerationWatch
+    from reco_megatron.rollout_worker import GenerationWatch
 
     watch = GenerationWatch(limit_s=30)
     assert watch.overdue() is None  # idle: nothing to overrun

@@ -1,7 +1,7 @@
 """The trainer's first rank's side of separate placement: the workers' processes and links.
 
 :class:`WorkerPool` publishes the run's address (``<output_dir>/rollout/address.json``), starts
-the workers (``rollout.worker_launch=spawn``: ``python -m reco_megatron.rollout.worker`` with
+the workers (``rollout.worker_launch=spawn``: ``python -m reco_megatron.rollout_worker`` with
 one GPU each, or the CPU; their output in ``<output_dir>/rollout/worker-N.log``) or waits for
 the job's (``external``), hands each its setup, sends requests, and turns what comes back into
 events. A worker is dead when its connection closes, its process exits, nothing came from it
