@@ -13,13 +13,19 @@ engine's settings and the push plan, joins its weight group
   trainer never waits for a generation to finish) and stages them;
 - ``generate`` requests, one at a time in the order they came: before each, the newest staged
   version is loaded into the engine (weights change only between generation calls), and the
-  result carries the version that generated it.
+  result carries the version that generated it. With ``rollout.env`` (the setup's ``env``)
+  the worker starts the run's environment workers and a request that carries its prompts'
+  records is answered with whole episodes (:class:`reco_megatron.envs.EpisodeService`, the
+  code the colocated trainer runs them with).
 
-It exits on ``stop``, and within seconds of the trainer's death (the connection closes) or
-silence (no ping for ``timeout`` s): no orphan outlives its trainer. A generation call that
-runs longer than ``rollout.generate_timeout_s`` is reported as hung and the worker exits (its
-engine may hold a GPU; the trainer treats it as lost). A generation error is
-reported to the trainer, which stops the run with it; it is never swallowed.
+It exits on ``stop`` (closing its environment workers), and within seconds of the trainer's
+death (the connection closes) or silence (no ping for ``timeout`` s): no orphan outlives its
+trainer. A generation call that runs longer than ``rollout.generate_timeout_s`` is reported
+as hung and the worker exits (its engine may hold a GPU; the trainer treats it as lost). A
+generation error is reported to the trainer, which stops the run with it; it is never
+swallowed. The environment workers die with the worker however it ends (they are started
+with a parent-death signal, :mod:`reco_megatron.rewards.containment`), and so does whatever
+an environment started.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from typing import Any
 
 import torch
 
+from reco_megatron.envs import EnvSettings, EpisodeService, group_records
 from reco_megatron.rollout.address import AddressError
 from reco_megatron.rollout.weight_transport import (
     PushPlan,
@@ -148,6 +155,26 @@ class Worker:
         if spec["kind"] == "vllm":
             _own_world()
         self.engine = build_engine(**spec)
+        self.episodes: EpisodeService | None = None
+        if setup["env"] is not None:  # multi-turn: the run's environments, for the whole run
+            self.episodes = EpisodeService(EnvSettings.from_wire(setup["env"]))
+
+    def close(self) -> None:
+        """Close the engine and the environment workers."""
+        if self.episodes is not None:
+            self.episodes.close()
+        self.engine.close()
+
+    def generate(self, request: dict[str, Any]) -> tuple[list[Any], list[Any] | None]:
+        """The request's groups: completions, and the episodes' records when it asks for
+        episodes (``rows``)."""
+        n, sampling = int(request["n"]), request["sampling"]
+        if request["rows"] is None:
+            return self.engine.generate(request["prompts"], n, sampling), None
+        if self.episodes is None:
+            raise RuntimeError("asked for episodes, but the setup named no environment")
+        got = self.episodes.run(self.engine.generate, request["rows"], n, sampling)
+        return got.completions, group_records(got)
 
     # ------------------------------------------------------------ control thread
     def serve_control(self) -> None:
@@ -207,9 +234,7 @@ class Worker:
                 self._load_newest(int(request["min_version"]))
                 start = time.perf_counter()
                 self.watch.begin(int(request["id"]))
-                out = self.engine.generate(
-                    request["prompts"], int(request["n"]), request["sampling"]
-                )
+                out, episodes = self.generate(request)
                 self.watch.end()
             except Exception as exc:
                 self.link.send(
@@ -227,6 +252,7 @@ class Worker:
                     "request": request["id"],
                     "version": self.version,
                     "completions": out,
+                    "episodes": episodes,
                     "generate_s": time.perf_counter() - start,
                     "idle_s": idle,
                 }
@@ -347,8 +373,10 @@ def main(argv: list[str] | None = None) -> int:
     link.send({"kind": "ready", "worker": args.worker_id, "plan_digest": worker.digest})
     control = threading.Thread(target=worker.serve_control, name="control", daemon=True)
     control.start()
-    worker.serve_requests()
-    worker.engine.close()
+    try:
+        worker.serve_requests()
+    finally:
+        worker.close()
     link.close()
     return 0
 

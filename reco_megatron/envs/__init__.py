@@ -14,7 +14,7 @@ from reco_megatron.envs.contract import Env, Step, StepError
 from reco_megatron.envs.episodes import EpisodeResult, run_episodes
 from reco_megatron.envs.pool import FAILURES, EnvPool, Outcome
 from reco_megatron.envs.registry import BUILTIN_ENVS, EnvSpecError, resolve_env
-from reco_megatron.envs.service import EnvSettings, EpisodeService
+from reco_megatron.envs.service import EnvSettings, EpisodeService, group_records
 
 __all__ = [
     "BUILTIN_ENVS",
@@ -28,6 +28,7 @@ __all__ = [
     "Outcome",
     "Step",
     "StepError",
+    "group_records",
     "resolve_env",
     "run_episodes",
 ]

@@ -143,3 +143,16 @@ class EpisodeService:
     def close(self) -> None:
         """Stop the environment workers (and whatever their environments started)."""
         self.pool.close()
+
+
+def group_records(result: EpisodeResult) -> list[dict[str, Any]]:
+    """``[groups]`` what a separate worker sends of each group besides its completions
+    (``result.episodes`` on the wire): the prompt the environment chose, each episode's
+    per-turn rewards and failure, and the group's ``env_*`` counters."""
+    return [
+        {"prompt": list(prompt), "turn_rewards": list(rewards), "failed": list(failed),
+         "metrics": dict(counters)}
+        for prompt, rewards, failed, counters in zip(
+            result.prompts, result.turn_rewards, result.failed, result.group_metrics, strict=True
+        )
+    ]  # fmt: skip

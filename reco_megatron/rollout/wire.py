@@ -12,11 +12,21 @@ for bit.
 Kinds: the worker's ``hello`` (its id, pid, CUDA, the run id), ``ready``, ``heartbeat``,
 ``result``, ``error``, ``hung``, ``received``; the trainer's ``welcome`` / ``refused`` (the
 answer to a hello, with the reason), ``setup``, ``generate``, ``weights``, ``ping``, ``stop``.
+
+Multi-turn episodes (``rollout.env``) add three optional fields, each bounded in size (strings,
+lists, numbers) besides its type: ``setup.env`` the environment settings
+(:class:`reco_megatron.envs.EnvSettings`' fields), ``generate.rows`` the dataset record of each
+prompt when its responses are episodes (None: single-turn), and ``result.episodes`` per group
+the prompt the environment chose, the per-turn rewards and failures of each episode and the
+group's ``env_*`` counters (turns, tool calls, errors, timeouts, ...); the episodes' token ids,
+log-probs and loss masks travel in ``completions`` (a loss mask is then required).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -107,6 +117,62 @@ def _plain(v: Any, f: str, depth: int = 0) -> Any:
     raise WireError(f"{f} holds a {type(v).__name__}, not plain data")
 
 
+def _text(limit: int) -> Check:
+    def run(v: Any, f: str) -> str:
+        if len(_str(v, f)) > limit:
+            raise WireError(f"{f} holds {len(v)} characters, over the bound of {limit}")
+        return v
+
+    return run
+
+
+def _bounded(check: Check, limit: int) -> Check:
+    def run(v: Any, f: str) -> list[Any]:
+        if isinstance(v, list) and len(v) > limit:
+            raise WireError(f"{f} holds {len(v)} items, over the bound of {limit}")
+        return check(v, f)
+
+    return run
+
+
+def _whole(low: int, high: int) -> Check:
+    def run(v: Any, f: str) -> int:
+        if not low <= _int(v, f) <= high:
+            raise WireError(f"{f} must be in [{low}, {high}], got {v}")
+        return v
+
+    return run
+
+
+def _real(low: float, high: float) -> Check:
+    """A finite number in ``(low, high]``."""
+
+    def run(v: Any, f: str) -> float:
+        x = _num(v, f)
+        if not low < x <= high:
+            raise WireError(f"{f} must be in ({low:g}, {high:g}], got {v!r}")
+        return x
+
+    return run
+
+
+def _token_ids(limit: int) -> Check:
+    def run(v: Any, f: str) -> list[int]:
+        ids = _bounded(_ints, limit)(v, f)
+        if any(not 0 <= x < 2**31 for x in ids):
+            raise WireError(f"{f} holds a token id outside [0, 2**31)")
+        return ids
+
+    return run
+
+
+def _finite(v: Any, f: str) -> float:
+    x = _num(v, f)
+    if not math.isfinite(x):
+        raise WireError(f"{f} must be finite, got {x!r}")
+    return x
+
+
 def _map(v: Any, f: str) -> dict[str, Any]:
     if not isinstance(v, dict):
         raise WireError(f"{f} must be a map, got {type(v).__name__}")
@@ -155,6 +221,52 @@ def _completion(v: Any, f: str) -> Completion:
         raise WireError(f"{f}: {exc}") from None
 
 
+MAX_TEXT_CHARS = 1 << 20
+"""The longest prompt or answer text in a ``generate.rows`` record."""
+MAX_IDS = 1 << 20
+"""The most token ids in one list (a prompt, an episode)."""
+MAX_ROWS = 1 << 16
+"""The most prompts (groups) in one request or result, and responses in one group."""
+MAX_COUNTERS = 64
+_COUNTER = re.compile(r"env_[a-z0-9_]{1,60}")
+
+_ROW_FIELDS = {
+    "prompt": _text(MAX_TEXT_CHARS), "answer": _text(MAX_TEXT_CHARS),
+    "prompt_ids": _token_ids(MAX_IDS),
+}  # fmt: skip
+ENV_FIELDS: dict[str, Check] = {
+    "env": _text(4096), "max_turns": _whole(1, 1 << 16), "env_workers": _whole(1, 4096),
+    "step_timeout_s": _real(0, 1e7), "turn_discount": _real(0, 1),
+    "memory_limit_mb": _opt(_whole(1, 1 << 30)), "tokenizer": _text(4096),
+    "vocab_size": _opt(_whole(1, 2**31 - 1)),
+}  # fmt: skip
+"""``setup.env``: :class:`reco_megatron.envs.EnvSettings`' fields (its ``__post_init__``
+checks them again on the worker)."""
+
+
+def _counters(v: Any, f: str) -> dict[str, float]:
+    if not isinstance(v, dict) or len(v) > MAX_COUNTERS:
+        raise WireError(f"{f} must be a map of at most {MAX_COUNTERS} env_* counters")
+    for k, x in v.items():
+        if not isinstance(k, str) or not _COUNTER.fullmatch(k):
+            raise WireError(f"{f}: {str(k)[:80]!r} is not an env_* counter name")
+        if _finite(x, f"{f}.{k}") < 0:
+            raise WireError(f"{f}.{k} must be >= 0, got {x!r}")
+    return {k: float(x) for k, x in v.items()}
+
+
+_EPISODE_FIELDS = {
+    "prompt": _token_ids(MAX_IDS),
+    "turn_rewards": _bounded(_list(_finite), MAX_ROWS),
+    "failed": _bounded(_list(_bool), MAX_ROWS),
+    "metrics": _counters,
+}  # fmt: skip
+
+
+def _record(spec: dict[str, Check]) -> Check:
+    return lambda v, f: _fields(v, f, spec)
+
+
 SCHEMA: dict[str, dict[str, Check]] = {
     # worker -> trainer
     "hello": {"worker": _int, "pid": _int, "cuda": _bool, "run_id": _str},
@@ -165,7 +277,8 @@ SCHEMA: dict[str, dict[str, Check]] = {
         "version": _opt(_int),
         "generate_s": _num,
         "idle_s": _num,
-        "completions": _list(_list(_completion)),
+        "completions": _bounded(_list(_bounded(_list(_completion), MAX_ROWS)), MAX_ROWS),
+        "episodes": _opt(_bounded(_list(_record(_EPISODE_FIELDS)), MAX_ROWS)),
     },
     "error": {"request": _opt(_int), "message": _str},
     "hung": {"why": _str},
@@ -188,6 +301,7 @@ SCHEMA: dict[str, dict[str, Check]] = {
         "worker_token": _bytes,
         "trainer_token": _bytes,
         "plan_digest": _str,
+        "env": _opt(_record(ENV_FIELDS)),
     },
     "generate": {
         "id": _int,
@@ -195,6 +309,7 @@ SCHEMA: dict[str, dict[str, Check]] = {
         "n": _int,
         "min_version": _int,
         "sampling": _list(_sampling),
+        "rows": _opt(_bounded(_list(_record(_ROW_FIELDS)), MAX_ROWS)),
     },
     "weights": {"version": _int, "plan_digest": _str},
     "ping": {},
@@ -259,4 +374,35 @@ def decode(frame: bytes) -> dict[str, Any]:
     kind = data.pop("kind", None)
     if not isinstance(kind, str) or kind not in SCHEMA:
         raise WireError(f"unknown frame kind {kind!r}")
-    return {"kind": kind, **_fields(data, kind, SCHEMA[kind])}
+    msg = {"kind": kind, **_fields(data, kind, SCHEMA[kind])}
+    if kind == "generate" and msg["rows"] is not None:
+        _check_rows(msg)
+    if kind == "result" and msg["episodes"] is not None:
+        _check_episodes(msg)
+    return msg
+
+
+def _check_rows(msg: dict[str, Any]) -> None:
+    """Episodes: one record per prompt, holding that prompt."""
+    if len(msg["rows"]) != len(msg["prompts"]):
+        raise WireError(
+            f"generate.rows: {len(msg['rows'])} records for {len(msg['prompts'])} prompts"
+        )
+    for i, (row, ids) in enumerate(zip(msg["rows"], msg["prompts"], strict=True)):
+        if row["prompt_ids"] != ids:
+            raise WireError(f"generate.rows[{i}].prompt_ids is not generate.prompts[{i}]")
+
+
+def _check_episodes(msg: dict[str, Any]) -> None:
+    """Episodes: one record per group, one reward and failure per episode, loss masks."""
+    groups, episodes = msg["completions"], msg["episodes"]
+    if len(episodes) != len(groups):
+        raise WireError(f"result.episodes: {len(episodes)} records for {len(groups)} groups")
+    for g, (group, ep) in enumerate(zip(groups, episodes, strict=True)):
+        for name in ("turn_rewards", "failed"):
+            if len(ep[name]) != len(group):
+                raise WireError(
+                    f"result.episodes[{g}].{name}: {len(ep[name])} values for {len(group)} episodes"
+                )
+        if any(c.loss_mask is None for c in group):
+            raise WireError(f"result.completions[{g}]: an episode without its loss mask")
