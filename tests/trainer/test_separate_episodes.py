@@ -74,12 +74,16 @@ def _rows(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def _worker_and_envs(trainer: int, within: float = 120) -> tuple[psutil.Process, list[int]]:
+def _worker_and_envs(
+    trainer: subprocess.Popen, within: float = 120
+) -> tuple[psutil.Process, list[int]]:
     """The spawned rollout worker, once its environment workers are up."""
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
+        if trainer.poll() is not None:
+            raise AssertionError(trainer.communicate()[1][-3000:])
         with_cmd = []
-        for p in psutil.Process(trainer).children(recursive=True):
+        for p in psutil.Process(trainer.pid).children(recursive=True):
             try:
                 with_cmd.append((p, " ".join(p.cmdline())))
             except psutil.Error:
@@ -96,7 +100,7 @@ def test_separate_episodes_at_k0_equal_the_colocated_run(tmp_path: Path) -> None
     colocated = _start(tmp_path / "colocated")
     _finish(colocated)
     separate = _start(tmp_path / "separate", *SEPARATE)
-    worker, envs = _worker_and_envs(separate.pid)
+    worker, envs = _worker_and_envs(separate)
     assert worker.environ().get("OMP_WAIT_POLICY") == "PASSIVE"
     _finish(separate)
 
