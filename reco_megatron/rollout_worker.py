@@ -18,14 +18,12 @@ engine's settings and the push plan, joins its weight group
   records is answered with whole episodes (:class:`reco_megatron.envs.EpisodeService`, the
   code the colocated trainer runs them with).
 
-It exits on ``stop`` (closing its environment workers), and within seconds of the trainer's
-death (the connection closes) or silence (no ping for ``timeout`` s): no orphan outlives its
-trainer. A generation call that runs longer than ``rollout.generate_timeout_s`` is reported
-as hung and the worker exits (its engine may hold a GPU; the trainer treats it as lost). A
-generation error is reported to the trainer, which stops the run with it; it is never
-swallowed. The environment workers die with the worker however it ends (they are started
-with a parent-death signal, :mod:`reco_megatron.rewards.containment`), and so does whatever
-an environment started.
+It exits on ``stop`` (closing its environment workers, which also die with it however it
+ends: :mod:`reco_megatron.rewards.containment`), and within seconds of the trainer's death
+(the connection closes) or silence (no ping for ``timeout`` s). A generation call that runs
+longer than ``rollout.generate_timeout_s`` is reported as hung and the worker exits (its engine
+may hold a GPU; the trainer treats it as lost). A generation error is reported to the
+trainer, which stops the run with it; it is never swallowed.
 """
 
 from __future__ import annotations
@@ -155,19 +153,16 @@ class Worker:
         if spec["kind"] == "vllm":
             _own_world()
         self.engine = build_engine(**spec)
-        self.episodes: EpisodeService | None = None
-        if setup["env"] is not None:  # multi-turn: the run's environments, for the whole run
-            self.episodes = EpisodeService(EnvSettings.from_wire(setup["env"]))
+        env = setup["env"]  # multi-turn: the run's environments, for the whole run
+        self.episodes = EpisodeService(EnvSettings.from_wire(env)) if env is not None else None
 
     def close(self) -> None:
-        """Close the engine and the environment workers."""
         if self.episodes is not None:
             self.episodes.close()
         self.engine.close()
 
     def generate(self, request: dict[str, Any]) -> tuple[list[Any], list[Any] | None]:
-        """The request's groups: completions, and the episodes' records when it asks for
-        episodes (``rows``)."""
+        """The request's groups, and their episodes' records when it asks for episodes."""
         n, sampling = int(request["n"]), request["sampling"]
         if request["rows"] is None:
             return self.engine.generate(request["prompts"], n, sampling), None

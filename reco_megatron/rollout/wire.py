@@ -25,169 +25,27 @@ log-probs and loss masks travel in ``completions`` (a loss mask is then required
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
-from collections.abc import Callable
 from typing import Any
 
 import msgpack
 import torch
 
+from reco_megatron.rollout import wire_checks as wc
 from reco_megatron.rollout.requests import Completion, SamplingParams
+from reco_megatron.rollout.wire_checks import Check, WireError
 
 MAX_FRAME_BYTES = 256 * 2**20
 """The largest control frame (a step's results: token ids and log-probs of every response)."""
-_MAX_DEPTH = 16
-
-
-class WireError(ValueError):
-    """A frame that is not one of :data:`SCHEMA`'s; says which field and why."""
-
-
-Check = Callable[[Any, str], Any]
-
-
-def _int(v: Any, f: str) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise WireError(f"{f} must be an integer, got {type(v).__name__}")
-    return v
-
-
-def _num(v: Any, f: str) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise WireError(f"{f} must be a number, got {type(v).__name__}")
-    return float(v)
-
-
-def _str(v: Any, f: str) -> str:
-    if not isinstance(v, str):
-        raise WireError(f"{f} must be a string, got {type(v).__name__}")
-    return v
-
-
-def _bool(v: Any, f: str) -> bool:
-    if not isinstance(v, bool):
-        raise WireError(f"{f} must be a boolean, got {type(v).__name__}")
-    return v
-
-
-def _bytes(v: Any, f: str) -> bytes:
-    if not isinstance(v, bytes):
-        raise WireError(f"{f} must be bytes, got {type(v).__name__}")
-    return v
-
-
-def _opt(check: Check) -> Check:
-    return lambda v, f: None if v is None else check(v, f)
-
-
-def _list(check: Check) -> Check:
-    def run(v: Any, f: str) -> list[Any]:
-        if not isinstance(v, list):
-            raise WireError(f"{f} must be a list, got {type(v).__name__}")
-        return [check(x, f"{f}[{i}]") for i, x in enumerate(v)]
-
-    return run
-
-
-def _ints(v: Any, f: str) -> list[int]:
-    if not isinstance(v, list) or not all(type(x) is int for x in v):
-        raise WireError(f"{f} must be a list of integers")
-    return v
-
-
-def _floats(v: Any, f: str) -> list[float]:
-    if not isinstance(v, list) or not all(type(x) is float for x in v):
-        raise WireError(f"{f} must be a list of floats")
-    return v
-
-
-def _plain(v: Any, f: str, depth: int = 0) -> Any:
-    """Plain data (None, bool, int, float, str, lists, maps with string keys)."""
-    if depth > _MAX_DEPTH:
-        raise WireError(f"{f} is nested deeper than {_MAX_DEPTH}")
-    if v is None or isinstance(v, (bool, int, float, str)):
-        return v
-    if isinstance(v, list):
-        return [_plain(x, f, depth + 1) for x in v]
-    if isinstance(v, dict):
-        for k in v:
-            _str(k, f"{f} key")
-        return {k: _plain(x, f"{f}.{k}", depth + 1) for k, x in v.items()}
-    raise WireError(f"{f} holds a {type(v).__name__}, not plain data")
-
-
-def _text(limit: int) -> Check:
-    def run(v: Any, f: str) -> str:
-        if len(_str(v, f)) > limit:
-            raise WireError(f"{f} holds {len(v)} characters, over the bound of {limit}")
-        return v
-
-    return run
-
-
-def _bounded(check: Check, limit: int) -> Check:
-    def run(v: Any, f: str) -> list[Any]:
-        if isinstance(v, list) and len(v) > limit:
-            raise WireError(f"{f} holds {len(v)} items, over the bound of {limit}")
-        return check(v, f)
-
-    return run
-
-
-def _whole(low: int, high: int) -> Check:
-    def run(v: Any, f: str) -> int:
-        if not low <= _int(v, f) <= high:
-            raise WireError(f"{f} must be in [{low}, {high}], got {v}")
-        return v
-
-    return run
-
-
-def _real(low: float, high: float) -> Check:
-    """A finite number in ``(low, high]``."""
-
-    def run(v: Any, f: str) -> float:
-        x = _num(v, f)
-        if not low < x <= high:
-            raise WireError(f"{f} must be in ({low:g}, {high:g}], got {v!r}")
-        return x
-
-    return run
-
-
-def _token_ids(limit: int) -> Check:
-    def run(v: Any, f: str) -> list[int]:
-        ids = _bounded(_ints, limit)(v, f)
-        if any(not 0 <= x < 2**31 for x in ids):
-            raise WireError(f"{f} holds a token id outside [0, 2**31)")
-        return ids
-
-    return run
-
-
-def _finite(v: Any, f: str) -> float:
-    x = _num(v, f)
-    if not math.isfinite(x):
-        raise WireError(f"{f} must be finite, got {x!r}")
-    return x
-
-
-def _map(v: Any, f: str) -> dict[str, Any]:
-    if not isinstance(v, dict):
-        raise WireError(f"{f} must be a map, got {type(v).__name__}")
-    return _plain(v, f)
-
-
 _SAMPLING_FIELDS = {
-    "temperature": _num, "top_p": _num, "top_k": _int, "max_new_tokens": _int,
-    "seed": _opt(_int), "stop_token_ids": _ints,
+    "temperature": wc.number, "top_p": wc.number, "top_k": wc.integer, "max_new_tokens": wc.integer,
+    "seed": wc.optional(wc.integer), "stop_token_ids": wc.ints,
 }  # fmt: skip
 _TENSOR_DTYPES = {"int16": torch.int16, "int32": torch.int32, "int64": torch.int64}
 
 
 def _sampling(v: Any, f: str) -> SamplingParams:
-    kw = _fields(v, f, _SAMPLING_FIELDS)
+    kw = wc.fields(v, f, _SAMPLING_FIELDS)
     kw["stop_token_ids"] = tuple(kw["stop_token_ids"])
     try:
         return SamplingParams(**kw)
@@ -196,7 +54,7 @@ def _sampling(v: Any, f: str) -> SamplingParams:
 
 
 def _tensor(v: Any, f: str) -> torch.Tensor:
-    kw = _fields(v, f, {"dtype": _str, "shape": _ints, "data": _bytes})
+    kw = wc.fields(v, f, {"dtype": wc.string, "shape": wc.ints, "data": wc.raw_bytes})
     dtype = _TENSOR_DTYPES.get(kw["dtype"])
     if dtype is None or any(d < 0 for d in kw["shape"]):
         raise WireError(f"{f}: dtype {kw['dtype']!r} / shape {kw['shape']} not allowed")
@@ -209,14 +67,15 @@ def _tensor(v: Any, f: str) -> torch.Tensor:
 
 
 _COMPLETION_FIELDS = {
-    "prompt_index": _int, "sample_index": _int, "token_ids": _ints, "logprobs": _floats,
-    "finish_reason": _str, "routed_experts": _opt(_tensor), "loss_mask": _opt(_ints),
+    "prompt_index": wc.integer, "sample_index": wc.integer, "token_ids": wc.ints,
+    "logprobs": wc.floats, "finish_reason": wc.string, "routed_experts": wc.optional(_tensor),
+    "loss_mask": wc.optional(wc.ints),
 }  # fmt: skip
 
 
 def _completion(v: Any, f: str) -> Completion:
     try:
-        return Completion(**_fields(v, f, _COMPLETION_FIELDS))
+        return Completion(**wc.fields(v, f, _COMPLETION_FIELDS))
     except ValueError as exc:
         raise WireError(f"{f}: {exc}") from None
 
@@ -231,14 +90,14 @@ MAX_COUNTERS = 64
 _COUNTER = re.compile(r"env_[a-z0-9_]{1,60}")
 
 _ROW_FIELDS = {
-    "prompt": _text(MAX_TEXT_CHARS), "answer": _text(MAX_TEXT_CHARS),
-    "prompt_ids": _token_ids(MAX_IDS),
+    "prompt": wc.text(MAX_TEXT_CHARS), "answer": wc.text(MAX_TEXT_CHARS),
+    "prompt_ids": wc.token_ids(MAX_IDS),
 }  # fmt: skip
 ENV_FIELDS: dict[str, Check] = {
-    "env": _text(4096), "max_turns": _whole(1, 1 << 16), "env_workers": _whole(1, 4096),
-    "step_timeout_s": _real(0, 1e7), "turn_discount": _real(0, 1),
-    "memory_limit_mb": _opt(_whole(1, 1 << 30)), "tokenizer": _text(4096),
-    "vocab_size": _opt(_whole(1, 2**31 - 1)),
+    "env": wc.text(4096), "max_turns": wc.whole(1, 1 << 16), "env_workers": wc.whole(1, 4096),
+    "step_timeout_s": wc.real(0, 1e7), "turn_discount": wc.real(0, 1),
+    "memory_limit_mb": wc.optional(wc.whole(1, 1 << 30)), "tokenizer": wc.text(4096),
+    "vocab_size": wc.optional(wc.whole(1, 2**31 - 1)),
 }  # fmt: skip
 """``setup.env``: :class:`reco_megatron.envs.EnvSettings`' fields (its ``__post_init__``
 checks them again on the worker)."""
@@ -250,82 +109,69 @@ def _counters(v: Any, f: str) -> dict[str, float]:
     for k, x in v.items():
         if not isinstance(k, str) or not _COUNTER.fullmatch(k):
             raise WireError(f"{f}: {str(k)[:80]!r} is not an env_* counter name")
-        if _finite(x, f"{f}.{k}") < 0:
+        if wc.finite(x, f"{f}.{k}") < 0:
             raise WireError(f"{f}.{k} must be >= 0, got {x!r}")
     return {k: float(x) for k, x in v.items()}
 
 
 _EPISODE_FIELDS = {
-    "prompt": _token_ids(MAX_IDS),
-    "turn_rewards": _bounded(_list(_finite), MAX_ROWS),
-    "failed": _bounded(_list(_bool), MAX_ROWS),
+    "prompt": wc.token_ids(MAX_IDS),
+    "turn_rewards": wc.bounded(wc.list_of(wc.finite), MAX_ROWS),
+    "failed": wc.bounded(wc.list_of(wc.boolean), MAX_ROWS),
     "metrics": _counters,
 }  # fmt: skip
 
 
-def _record(spec: dict[str, Check]) -> Check:
-    return lambda v, f: _fields(v, f, spec)
-
-
 SCHEMA: dict[str, dict[str, Check]] = {
     # worker -> trainer
-    "hello": {"worker": _int, "pid": _int, "cuda": _bool, "run_id": _str},
-    "ready": {"worker": _int, "plan_digest": _str},
-    "heartbeat": {"version": _opt(_int)},
+    "hello": {"worker": wc.integer, "pid": wc.integer, "cuda": wc.boolean, "run_id": wc.string},
+    "ready": {"worker": wc.integer, "plan_digest": wc.string},
+    "heartbeat": {"version": wc.optional(wc.integer)},
     "result": {
-        "request": _int,
-        "version": _opt(_int),
-        "generate_s": _num,
-        "idle_s": _num,
-        "completions": _bounded(_list(_bounded(_list(_completion), MAX_ROWS)), MAX_ROWS),
-        "episodes": _opt(_bounded(_list(_record(_EPISODE_FIELDS)), MAX_ROWS)),
+        "request": wc.integer,
+        "version": wc.optional(wc.integer),
+        "generate_s": wc.number,
+        "idle_s": wc.number,
+        "completions": wc.bounded(
+            wc.list_of(wc.bounded(wc.list_of(_completion), MAX_ROWS)), MAX_ROWS
+        ),
+        "episodes": wc.optional(wc.bounded(wc.list_of(wc.record(_EPISODE_FIELDS)), MAX_ROWS)),
     },
-    "error": {"request": _opt(_int), "message": _str},
-    "hung": {"why": _str},
-    "received": {"version": _int, "s": _num, "plan_digest": _str},
+    "error": {"request": wc.optional(wc.integer), "message": wc.string},
+    "hung": {"why": wc.string},
+    "received": {"version": wc.integer, "s": wc.number, "plan_digest": wc.string},
     # trainer -> worker
     "welcome": {},
-    "refused": {"why": _str},
+    "refused": {"why": wc.string},
     "setup": {
-        "engine": _map,
-        "plan": _map,
-        "expected": _map,
-        "store_path": _str,
-        "group_prefix": _str,
-        "backend": _str,
-        "transport_device": _str,
-        "timeout_s": _num,
-        "receive_timeout_s": _num,
-        "heartbeat_s": _num,
-        "generate_timeout_s": _num,
-        "worker_token": _bytes,
-        "trainer_token": _bytes,
-        "plan_digest": _str,
-        "env": _opt(_record(ENV_FIELDS)),
+        "engine": wc.plain_map,
+        "plan": wc.plain_map,
+        "expected": wc.plain_map,
+        "store_path": wc.string,
+        "group_prefix": wc.string,
+        "backend": wc.string,
+        "transport_device": wc.string,
+        "timeout_s": wc.number,
+        "receive_timeout_s": wc.number,
+        "heartbeat_s": wc.number,
+        "generate_timeout_s": wc.number,
+        "worker_token": wc.raw_bytes,
+        "trainer_token": wc.raw_bytes,
+        "plan_digest": wc.string,
+        "env": wc.optional(wc.record(ENV_FIELDS)),
     },
     "generate": {
-        "id": _int,
-        "prompts": _list(_ints),
-        "n": _int,
-        "min_version": _int,
-        "sampling": _list(_sampling),
-        "rows": _opt(_bounded(_list(_record(_ROW_FIELDS)), MAX_ROWS)),
+        "id": wc.integer,
+        "prompts": wc.list_of(wc.ints),
+        "n": wc.integer,
+        "min_version": wc.integer,
+        "sampling": wc.list_of(_sampling),
+        "rows": wc.optional(wc.bounded(wc.list_of(wc.record(_ROW_FIELDS)), MAX_ROWS)),
     },
-    "weights": {"version": _int, "plan_digest": _str},
+    "weights": {"version": wc.integer, "plan_digest": wc.string},
     "ping": {},
     "stop": {},
 }
-
-
-def _fields(v: Any, f: str, spec: dict[str, Check]) -> dict[str, Any]:
-    if not isinstance(v, dict):
-        raise WireError(f"{f} must be a map, got {type(v).__name__}")
-    if set(v) != set(spec):
-        missing, extra = sorted(set(spec) - set(v)), sorted(set(v) - set(spec), key=str)
-        parts = [f"missing fields {missing}"] * bool(missing)
-        parts += [f"unexpected fields {extra}"] * bool(extra)
-        raise WireError(f"{f}: {', '.join(parts)}")
-    return {name: check(v[name], f"{f}.{name}") for name, check in spec.items()}
 
 
 def _encode_value(v: Any) -> Any:
@@ -374,7 +220,7 @@ def decode(frame: bytes) -> dict[str, Any]:
     kind = data.pop("kind", None)
     if not isinstance(kind, str) or kind not in SCHEMA:
         raise WireError(f"unknown frame kind {kind!r}")
-    msg = {"kind": kind, **_fields(data, kind, SCHEMA[kind])}
+    msg = {"kind": kind, **wc.fields(data, kind, SCHEMA[kind])}
     if kind == "generate" and msg["rows"] is not None:
         _check_rows(msg)
     if kind == "result" and msg["episodes"] is not None:
