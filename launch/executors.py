@@ -79,7 +79,7 @@ def split_script(
         *("--train-nodes", str(split.train_nodes), "--workers", str(split.num_workers)),
         *("--workers-per-node", str(split.workers_per_node)),
         *("--gpus-per-worker", str(split.gpus_per_worker)),
-        *("--worker", "python", "-m", "reco_megatron.rollout.worker"),
+        *("--worker", "python", "-m", "reco_megatron.rollout_worker"),
         *("--address", f"{output_dir}/rollout/address.json"),
         *("--connect-timeout", str(WORKER_CONNECT_TIMEOUT_S)),
         *("--trainer", "python", "-m", "torch.distributed.run"),

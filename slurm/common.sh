@@ -127,7 +127,7 @@ reco_build_command() {
     RECO_CMD+=(bash "$RECO_ROOT/slurm/role.sh" --train-nodes "$RECO_TRAIN_NODES"
       --workers "$RECO_WORKERS" --workers-per-node "$RECO_WORKERS_PER_NODE"
       --gpus-per-worker "$RECO_WORKER_GPUS"
-      --worker "$python" -m reco_megatron.rollout.worker
+      --worker "$python" -m reco_megatron.rollout_worker
       --address "$OUTPUT_DIR/rollout/address.json"
       --connect-timeout "${ROLLOUT_CONNECT_TIMEOUT:-1800}" --trainer)
     # The user's overrides come after these and win; launch_check refused the unsafe ones.

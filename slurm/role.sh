@@ -4,7 +4,7 @@
 # training nodes); the others each start their share of rollout workers and wait for them.
 #
 #   bash slurm/role.sh --train-nodes 2 --workers 8 --workers-per-node 4 --gpus-per-worker 2 \
-#       --worker PYTHON -m reco_megatron.rollout.worker --address RUN/rollout/address.json \
+#       --worker PYTHON -m reco_megatron.rollout_worker --address RUN/rollout/address.json \
 #       --trainer PYTHON -m torch.distributed.run ... -m reco_megatron.train CONFIG ...
 #
 # Worker ids are node-major: rollout node r (= SLURM_NODEID - TRAIN) runs ids

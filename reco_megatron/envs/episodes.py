@@ -74,6 +74,9 @@ class EpisodeResult:
     """``[groups][n]`` True where an environment call failed: the episode scores 0."""
     metrics: dict[str, float]
     """``env_*`` columns: sums and counts (summed over ranks, then divided by the caller)."""
+    group_metrics: list[dict[str, float]] = field(default_factory=list)
+    """``[groups]`` the same counters per group (they add up to :attr:`metrics`): what a
+    separate rollout worker sends, so each trainer rank sums those of its own groups."""
 
 
 def run_episodes(
@@ -242,6 +245,7 @@ def _result(episodes: list[_Episode], prompts, n: int, discount: float) -> Episo
     completions: list[list[Completion]] = [[] for _ in prompts]
     turn_rewards: list[list[float]] = [[] for _ in prompts]
     failed: list[list[bool]] = [[] for _ in prompts]
+    n_groups = len(prompts)
     for ep in episodes:
         completions[ep.group].append(
             Completion(
@@ -257,7 +261,10 @@ def _result(episodes: list[_Episode], prompts, n: int, discount: float) -> Episo
         ret = sum(discount**k * r for k, r in enumerate(ep.rewards) if r is not None)
         turn_rewards[ep.group].append(0.0 if ep.failed else float(ret))
         failed[ep.group].append(bool(ep.failed))
-    return EpisodeResult(prompts, completions, turn_rewards, failed, episode_metrics(episodes))
+    per_group = [episode_metrics([ep for ep in episodes if ep.group == g]) for g in range(n_groups)]
+    return EpisodeResult(
+        prompts, completions, turn_rewards, failed, episode_metrics(episodes), per_group
+    )
 
 
 def episode_metrics(episodes: Sequence[_Episode]) -> dict[str, float]:

@@ -36,7 +36,7 @@ from reco_megatron.utils.logging import get_logger
 __all__ = ["ADDRESS_FILE", "WORKER_MODULE", "Link", "PeerGone", "Refused", "connect"]
 
 logger = get_logger(__name__)
-WORKER_MODULE = "reco_megatron.rollout.worker"
+WORKER_MODULE = "reco_megatron.rollout_worker"
 _ANSWER_S = HANDSHAKE_S + 5.0
 """How long one attempt waits for the trainer's answer to its hello."""
 

@@ -2,7 +2,7 @@
 
 ``placement: colocated`` (the default) generates on the trainer's own ranks between updates;
 ``placement: separate`` runs ``num_workers`` rollout worker processes on their own devices
-(:mod:`reco_megatron.rollout.worker`) that generate while the trainer trains, on weights at
+(:mod:`reco_megatron.rollout_worker`) that generate while the trainer trains, on weights at
 most ``max_staleness`` steps old (docs/rollout.md, "Separate placement").
 """
 
@@ -74,7 +74,9 @@ class RolloutConfig:
     environment steps run at once (steps of episodes in different workers overlap)."""
     env_step_timeout_s: float = 30.0
     """``env``: time limit of one ``reset`` or ``step`` call; past it the worker is killed and
-    replaced, and the episode scores 0 (counted in ``env_timeout_sum``)."""
+    replaced, and the episode scores 0 (counted in ``env_timeout_sum``). With
+    ``placement=separate`` it must stay below ``generate_timeout_s`` (one generation call of a
+    worker runs whole episodes)."""
     turn_discount: float = 1.0
     """``env``: per-turn rewards (``Step.reward``) count ``turn_discount**k`` at turn k
     (0-based) and are added to the reward function's score of the whole episode; 1.0 sums
@@ -94,7 +96,7 @@ class RolloutConfig:
     """``placement=separate``: rollout worker processes (each generates whole groups)."""
     worker_launch: WorkerLaunch = "spawn"
     """``spawn``: the trainer's first rank starts the workers on its node (``python -m
-    reco_megatron.rollout.worker``; one GPU each from ``worker_gpus``, or the CPU).
+    reco_megatron.rollout_worker``; one GPU each from ``worker_gpus``, or the CPU).
     ``external``: the job script starts them (``ROLLOUT_NODES`` in ``slurm/reco.sbatch``); they
     find the trainer through ``<output_dir>/rollout/address.json``."""
     worker_gpus: list[int] = field(default_factory=list)
@@ -199,11 +201,6 @@ class RolloutConfig:
             )
         if not isinstance(self.env, str):
             raise ValueError(f"rollout.env must be a string (module:Class), got {self.env!r}")
-        if self.env and self.placement == "separate":
-            raise ValueError(
-                f"rollout.env={self.env!r} with rollout.placement=separate: multi-turn episodes "
-                "run colocated only for now; set rollout.placement=colocated"
-            )
 
     @property
     def staleness_bound(self) -> int:
@@ -236,6 +233,15 @@ class RolloutConfig:
                 "rollout.placement=separate with rollout.engine=megatron: the megatron engine "
                 "decodes on the trainer's own model chunks; use rollout.engine=vllm (GPU) or "
                 "embedded (CPU, debugging) for separate workers"
+            )
+        generate, timeout = self.generate_timeout_s, self.env_step_timeout_s
+        if self.env and generate <= timeout:
+            raise ValueError(
+                f"rollout.generate_timeout_s={generate!r} <= rollout.env_step_timeout_s="
+                f"{timeout!r} with rollout.env={self.env!r} and rollout.placement=separate: a "
+                "worker's generation call runs whole episodes, environment steps included, and "
+                "would count as hung; raise rollout.generate_timeout_s well above "
+                "rollout.env_step_timeout_s (at least max_turns times it)"
             )
         gpus = self.worker_gpus
         bad = [g for g in gpus if isinstance(g, bool) or not isinstance(g, int) or g < 0]

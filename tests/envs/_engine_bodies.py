@@ -68,7 +68,11 @@ def shared_pool_body(rank: int, world: int) -> Any:
 
     from reco_megatron.config import load_config
     from reco_megatron.trainer.config import TrainConfig
-    from reco_megatron.trainer.orchestration.episodes import SharedEnvPool, env_pool
+    from reco_megatron.trainer.orchestration.episodes import (
+        SharedEnvPool,
+        env_pool,
+        env_settings,
+    )
     from tests.envs._fake_engine import ScriptedEngine
 
     cfg = load_config(
@@ -82,7 +86,8 @@ def shared_pool_body(rank: int, world: int) -> Any:
     )
     from reco_megatron.data.tokenizer import SentencePieceTokenizer
 
-    pool = env_pool(cfg, SentencePieceTokenizer(cfg.data.tokenizer), dist.group.WORLD)
+    settings = env_settings(cfg, SentencePieceTokenizer(cfg.data.tokenizer))
+    pool = env_pool(settings, dist.group.WORLD)
     assert isinstance(pool, SharedEnvPool) and (pool.pool is not None) == (rank == 0)
     rows = [{"prompt": "", "answer": "", "prompt_ids": [k, 30, 31]} for k in (1, 2, 9)]
     params = [SamplingParams(max_new_tokens=32, seed=5 + i) for i in range(3)]

@@ -70,3 +70,32 @@ class Sleepy(Env):
     def step(self, action_ids, finish):
         time.sleep(self.delay)
         return Step(OBS, done=False)
+
+
+class Recorder(Env):
+    """Short actions (a quarter of the tiny vocabulary ends one), three turns with per-turn
+    rewards; every call appended as a JSON line to ``$RECO_TEST_EPISODE_LOG`` (when set), so
+    two runs can be compared action for action."""
+
+    stop_ids = tuple(range(3, 128, 4))
+
+    def reset(self, row):
+        self.prompt = list(row["prompt_ids"])
+        self.turn = 0
+        self._log({"reset": self.prompt, "answer": row["answer"]})
+        return self.prompt
+
+    def step(self, action_ids, finish):
+        self.turn += 1
+        self._log({"prompt": self.prompt, "turn": self.turn, "action": list(action_ids),
+                   "finish": finish})  # fmt: skip
+        return Step([*OBS, 10 + self.turn], done=self.turn >= 3, reward=0.25 * self.turn)
+
+    @staticmethod
+    def _log(record: dict) -> None:
+        path = os.environ.get("RECO_TEST_EPISODE_LOG")
+        if path:
+            import json
+
+            with open(path, "a") as f:  # one short line per write: appends do not interleave
+                f.write(json.dumps(record) + "\n")

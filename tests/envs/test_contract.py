@@ -92,10 +92,13 @@ def test_rollout_keys_are_checked(key: str, value: object, says: str) -> None:
         RolloutConfig(**{key: value})
 
 
-def test_separate_placement_with_an_environment_is_refused_in_one_line() -> None:
+def test_separate_placement_with_an_environment_needs_a_longer_generation_bound() -> None:
+    RolloutConfig(env="calculator", placement="separate")  # the workers run the episodes
     with pytest.raises(ValueError) as err:
-        RolloutConfig(env="calculator", placement="separate")
-    assert "rollout.placement=colocated" in str(err.value) and "\n" not in str(err.value)
+        RolloutConfig(
+            env="calculator", placement="separate", generate_timeout_s=10, env_step_timeout_s=10
+        )
+    assert "raise rollout.generate_timeout_s" in str(err.value) and "\n" not in str(err.value)
 
 
 def test_episode_rewards_add_turn_rewards_and_zero_failed_episodes() -> None:

@@ -235,7 +235,7 @@ def test_slurm_split_runs_the_role_dispatch(nemorun_home: Path) -> None:
     (srun,) = [line for line in text.splitlines() if "slurm/role.sh" in line]
     assert (
         "bash slurm/role.sh --train-nodes 2 --workers 16 --workers-per-node 8 "
-        "--gpus-per-worker 1 --worker python -m reco_megatron.rollout.worker "
+        "--gpus-per-worker 1 --worker python -m reco_megatron.rollout_worker "
         "--address runs/ablation/reco/rollout/address.json"
     ) in srun
     assert "--trainer python -m torch.distributed.run --nnodes 2 --nproc-per-node 8" in srun

@@ -49,7 +49,7 @@ def test_dry_run_previews_a_two_plus_two_split(tmp_path: Path) -> None:
     ]
     worker = role[role.index("--worker") + 1 : role.index("--trainer")]
     assert worker[1:] == [
-        *("-m", "reco_megatron.rollout.worker"),
+        *("-m", "reco_megatron.rollout_worker"),
         *("--address", "/lustre/runs/split/rollout/address.json", "--connect-timeout", "1800"),
     ]
     run = _trainer(cmd)

@@ -1,6 +1,6 @@
 """The address file as an attacker on the node would use it, and as a stale one misleads.
 
-A worker (a real ``python -m reco_megatron.rollout.worker`` process) must refuse, in one line
+A worker (a real ``python -m reco_megatron.rollout_worker`` process) must refuse, in one line
 and with exit 2, a file that is malformed, planted by another user, symlinked or readable by
 others; a file naming a port that accepts and stays silent must end its wait within the
 bound, naming what it waited for. The trainer's writer never follows a planted link and
@@ -29,7 +29,7 @@ GOOD = {"host": "127.0.0.1", "port": 1, "run_id": "r", "server_key": KEY,
 
 
 def _worker(address: Path, timeout: float = 5) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "reco_megatron.rollout.worker", "--address", str(address),
+    cmd = [sys.executable, "-m", "reco_megatron.rollout_worker", "--address", str(address),
            "--worker-id", "0", "--connect-timeout", str(timeout)]  # fmt: skip
     return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout + 60)
 
@@ -133,3 +133,10 @@ def test_a_silent_port_behind_a_stale_address_file_ends_the_wait_in_one_line(
     line = _one_line(done)
     assert done.returncode == 3, done.stderr[-2000:]
     assert "no trainer to connect to within 4 s" in line and "did not answer" in line, line
+
+
+def test_the_old_worker_entry_exits_2_naming_the_new_one(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "reco_megatron.rollout.worker", "--address", "x"]
+    done = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "python -m reco_megatron.rollout_worker" in _one_line(done)

@@ -177,13 +177,13 @@ def test_every_frame_kind_round_trips_and_anything_else_is_refused() -> None:
     assert decode(encode(ok)) == ok
     sampling = SamplingParams(temperature=0.7, top_p=0.9, seed=3, stop_token_ids=(5, 6))
     gen = {"kind": "generate", "id": 1, "prompts": [[1, 2]], "n": 2, "min_version": 0,
-           "sampling": [sampling]}  # fmt: skip
+           "sampling": [sampling], "rows": None}  # fmt: skip
     assert decode(encode(gen)) == gen
     routed = torch.tensor([[[1, -1]], [[0, 3]]], dtype=torch.int16)  # [P + T, layers, top-k]
     done = Completion(prompt_index=0, sample_index=1, token_ids=[7], logprobs=[-0.1 / 3],
                       finish_reason="stop", routed_experts=routed)  # fmt: skip
     result = {"kind": "result", "request": 1, "version": 2, "generate_s": 0.5, "idle_s": 0.0,
-              "completions": [[done]]}  # fmt: skip
+              "completions": [[done]], "episodes": None}  # fmt: skip
     back = decode(encode(result))["completions"][0][0]
     assert back.logprobs == done.logprobs and back.token_ids == done.token_ids  # bit for bit
     assert torch.equal(back.routed_experts, routed) and back.routed_experts.dtype == torch.int16

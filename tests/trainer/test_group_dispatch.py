@@ -40,7 +40,7 @@ class ScriptedPool:
         completions = [[f"p{p[0]}-seed{s.seed}"] for p, s in pairs]
         self.version[wid] = max(self.version[wid], msg["min_version"])
         result = {"kind": "result", "request": msg["id"], "version": self.version[wid]}
-        result.update(completions=completions, idle_s=0.5, generate_s=1.0)
+        result.update(completions=completions, idle_s=0.5, generate_s=1.0, episodes=None)
         self.events.append((wid, result))
 
     def next_event(self, waiting_for: str) -> tuple[int, dict[str, Any]]:
@@ -81,7 +81,7 @@ def test_groups_come_back_in_the_samplers_order_with_their_seeds() -> None:
     book = _book(pool)
     book.send_step(1, _drawn(1))
     assert [len(m["prompts"]) for _, m in pool.sent] == [2, 2]
-    groups, metrics = book.collect(1)
+    groups, _, metrics = book.collect(1)
     assert groups == _want(1)
     assert metrics["staleness_max"] == 0.0 and metrics["groups_dropped_stale"] == 0
     assert metrics["rollout_workers_alive"] == 2 and metrics["worker_idle_s"] == 1.0
@@ -98,7 +98,7 @@ def test_a_worker_lost_while_its_step_is_collected_hands_that_step_on() -> None:
     book.send_step(3, _drawn(3))
     book.version = 2  # step 2's weights pushed; the requests of step 4 and the replacements
     book.send_step(4, _drawn(4))
-    groups, metrics = book.collect(3)
+    groups, _, metrics = book.collect(3)
     assert groups == _want(3)
     assert metrics["rollout_workers_alive"] == 1
     assert book.collect(4)[0] == _want(4)
@@ -130,7 +130,7 @@ def test_stale_results_are_dropped_counted_and_asked_again() -> None:
     book.send_step(3, _drawn(3))
     book.version = 2
     sent = len(pool.sent)
-    groups, metrics = book.collect(3)
+    groups, _, metrics = book.collect(3)
     assert groups == _want(3)
     assert metrics["groups_dropped_stale"] == 2.0 and metrics["staleness_max"] == 0.0
     assert [(w, m["min_version"]) for w, m in pool.sent[sent:]] == [(0, 2)]

@@ -43,6 +43,12 @@ from tests.trainer.test_bad_config import _refused
         (["rollout.worker_timeout_s=0"], "rollout.worker_timeout_s must be a number of seconds"),
         (["rollout.generate_timeout_s=-1"], "generate_timeout_s must be a number of seconds > 0"),
         (["rollout.placement=elsewhere"], "elsewhere"),
+        (
+            ["rollout.placement=separate", "rollout.max_staleness=0", "rollout.env=calculator",
+             "rollout.generate_timeout_s=20", "rollout.env_step_timeout_s=30"],
+            "rollout.generate_timeout_s=20.0 <= rollout.env_step_timeout_s=30.0 with "
+            "rollout.env='calculator' and rollout.placement=separate",
+        ),
     ],
 )  # fmt: skip
 def test_bad_placement_settings_are_refused(tmp_path, capsys, monkeypatch, overrides, expected):
@@ -57,8 +63,15 @@ def test_the_staleness_bound_follows_the_placement() -> None:
     assert RolloutConfig(placement="separate", max_staleness=3).staleness_bound == 3
 
 
+def test_episodes_run_with_separate_placement() -> None:
+    cfg = RolloutConfig(placement="separate", env="calculator", max_staleness=0)
+    assert cfg.env == "calculator" and cfg.placement == "separate"
+    with pytest.raises(ValueError, match=r"raise rollout\.generate_timeout_s well above"):
+        RolloutConfig(placement="separate", env="calculator", generate_timeout_s=30.0)
+
+
 def test_the_generation_watch_names_the_request_and_the_bound() -> None:
-    from reco_megatron.rollout.worker import GenerationWatch
+    from reco_megatron.rollout_worker import GenerationWatch
 
     watch = GenerationWatch(limit_s=30)
     assert watch.overdue() is None  # idle: nothing to overrun

@@ -85,7 +85,7 @@ def _workers(trainer_pid: int) -> list[psutil.Process]:
         kids = psutil.Process(trainer_pid).children(recursive=True)
     except psutil.NoSuchProcess:
         return []
-    return [p for p in kids if "reco_megatron.rollout.worker" in " ".join(_cmdline(p))]
+    return [p for p in kids if "reco_megatron.rollout_worker" in " ".join(_cmdline(p))]
 
 
 def _cmdline(p: psutil.Process) -> list[str]:

@@ -53,6 +53,9 @@ class Chunk:
 
 Encode = Callable[[list[int], list[int]], tuple[list[list[int]], list[str]]]
 """``(indices, groups) -> (prompt token ids, golds)``: :meth:`PromptSource.encode`."""
+Rows = Callable[[list[int], list[int]], list[dict[str, Any]]]
+"""``(indices, groups) -> records``: :meth:`PromptSource.rows` (what an episode's
+environment resets from)."""
 
 
 class GroupDispatcher:
@@ -68,9 +71,13 @@ class GroupDispatcher:
         group_size: int,
         max_staleness: int,
         stop_on_failure: bool,
+        rows: Rows | None = None,
     ) -> None:
         self.pool = pool
         self.encode = encode
+        self.rows = rows
+        """Multi-turn episodes (``rollout.env``): each request carries its prompts' records
+        and the workers answer with whole episodes; None: single-turn responses."""
         self.sampling = sampling
         self.seed = seed
         self.group_size = group_size
@@ -104,7 +111,11 @@ class GroupDispatcher:
 
     def _request(self, step: int, chunk: Chunk) -> None:
         drawn = self.steps[step]
-        prompts, _ = self.encode(drawn.indices, chunk.groups)
+        rows = self.rows(drawn.indices, chunk.groups) if self.rows is not None else None
+        if rows is not None:
+            prompts = [row["prompt_ids"] for row in rows]
+        else:
+            prompts, _ = self.encode(drawn.indices, chunk.groups)
         sampling = [
             replace(self.sampling, seed=prompt_seed(self.seed, step - 1, g)) for g in chunk.groups
         ]
@@ -112,7 +123,7 @@ class GroupDispatcher:
         self.next_request += 1
         self.requests[rid] = (step, chunk.index, self.version)
         msg = {"kind": "generate", "id": rid, "prompts": prompts, "n": self.group_size}
-        msg.update(sampling=sampling, min_version=self.version)
+        msg.update(sampling=sampling, min_version=self.version, rows=rows)
         try:
             self.pool.send(chunk.worker, msg)
         except WorkerLost as exc:
@@ -137,8 +148,10 @@ class GroupDispatcher:
                     self._request(step, chunk)
 
     # ------------------------------------------------------------------ results
-    def collect(self, step: int) -> tuple[list[Any], dict[str, float]]:
-        """Every group of ``step``, generated with weights at most ``K`` versions old.
+    def collect(self, step: int) -> tuple[list[Any], list[Any] | None, dict[str, float]]:
+        """Every group of ``step``, generated with weights at most ``K`` versions old:
+        ``(groups, episodes, metrics)``, ``episodes[g]`` group ``g``'s ``result.episodes``
+        record (multi-turn; None for single-turn responses).
 
         Raises :class:`WorkerLost` when the run must stop, and ``RuntimeError`` when a chunk
         is held by no live worker (a bookkeeping fault: never a wait without an end)."""
@@ -187,9 +200,10 @@ class GroupDispatcher:
 
     def _assemble(
         self, step: int, dropped: int, waited: float
-    ) -> tuple[list[Any], dict[str, float]]:
+    ) -> tuple[list[Any], list[Any] | None, dict[str, float]]:
         drawn = self.steps.pop(step)
         groups: list[Any] = [None] * len(drawn.indices)
+        episodes: list[Any] = [None] * len(drawn.indices)
         ages, idle, generate = [], 0.0, 0.0
         for chunk in self.chunks.pop(step):
             msg = self.results.pop((step, chunk.index))
@@ -201,6 +215,15 @@ class GroupDispatcher:
                 )
             for g, completions in zip(chunk.groups, msg["completions"], strict=True):
                 groups[g] = completions
+            if (msg["episodes"] is None) != (self.rows is None):
+                raise RuntimeError(
+                    f"step {step}: rollout worker {chunk.worker} answered with "
+                    f"{'single-turn responses' if self.rows else 'episodes'}, asked for "
+                    f"{'episodes' if self.rows else 'single-turn responses'}"
+                )
+            if msg["episodes"] is not None:
+                for g, record in zip(chunk.groups, msg["episodes"], strict=True):
+                    episodes[g] = record
             ages += [age] * len(chunk.groups)
             idle += float(msg["idle_s"])
             generate = max(generate, float(msg["generate_s"]))
@@ -214,4 +237,4 @@ class GroupDispatcher:
             "worker_generate_s": generate,
             "rollout_workers_alive": float(len(self.pool.alive)),
         }
-        return groups, metrics
+        return groups, episodes if self.rows is not None else None, metrics

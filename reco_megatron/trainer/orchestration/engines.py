@@ -225,7 +225,14 @@ def build_rollout_source(
     spec = engine_spec(cfg, tokenizer, "auto")
     sampling, expected = rollout_sampling(cfg, tokenizer), expected_weights(cfg)
     weights = PolicyStages(policy, cfg.model)
-    return SeparateRollout(cfg, spec, sampling, expected, weights, prompts, layout, run_dir, run_id)
+    env = None
+    if cfg.rollout.env:  # the workers run the episodes with the run's environment settings
+        from reco_megatron.trainer.orchestration.episodes import env_settings
+
+        env = env_settings(cfg, tokenizer).to_wire()
+    return SeparateRollout(
+        cfg, spec, sampling, expected, weights, prompts, layout, run_dir, run_id, env
+    )
 
 
 @dataclass(frozen=True)

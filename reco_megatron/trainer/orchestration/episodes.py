@@ -19,7 +19,7 @@ from typing import Any
 import torch.distributed as dist
 
 from reco_megatron.data.tokenizer import Tokenizer
-from reco_megatron.envs import EnvPool, EpisodeResult, Outcome, run_episodes
+from reco_megatron.envs import EnvPool, EnvSettings, EpisodeResult, EpisodeService, Outcome
 from reco_megatron.parallel.collectives import collective_device
 from reco_megatron.rollout.requests import (
     Completion,
@@ -71,21 +71,28 @@ class SharedEnvPool:
             self.pool.close()
 
 
-def env_pool(cfg: TrainConfig, tokenizer: Tokenizer, group: Any = None) -> EnvPool | SharedEnvPool:
-    """The run's environment workers; with a model-parallel ``group`` of more than one rank,
-    on its first rank only, shared with the group (:class:`SharedEnvPool`)."""
+def env_settings(cfg: TrainConfig, tokenizer: Tokenizer) -> EnvSettings:
+    """The run's environment settings (what the trainer and a separate worker run with)."""
     r = cfg.rollout
-    shared = group is not None and dist.is_initialized() and dist.get_world_size(group) > 1
-    if shared and dist.get_rank(group) != 0:
-        return SharedEnvPool(None, group)
-    pool = EnvPool(
-        r.env,
-        num_workers=r.env_workers,
-        step_timeout_s=r.env_step_timeout_s,
+    return EnvSettings(
+        env=r.env,
+        max_turns=r.max_turns,
+        env_workers=r.env_workers,
+        step_timeout_s=float(r.env_step_timeout_s),
+        turn_discount=float(r.turn_discount),
         memory_limit_mb=cfg.reward.memory_limit_mb,
         tokenizer=cfg.data.tokenizer,
         vocab_size=tokenizer.vocab_size,
     )
+
+
+def env_pool(settings: EnvSettings, group: Any = None) -> EnvPool | SharedEnvPool:
+    """The run's environment workers; with a model-parallel ``group`` of more than one rank,
+    on its first rank only, shared with the group (:class:`SharedEnvPool`)."""
+    shared = group is not None and dist.is_initialized() and dist.get_world_size(group) > 1
+    if shared and dist.get_rank(group) != 0:
+        return SharedEnvPool(None, group)
+    pool = settings.pool()
     return SharedEnvPool(pool, group) if shared else pool
 
 
@@ -96,10 +103,9 @@ class EpisodeDriver:
     def __init__(
         self, cfg: TrainConfig, tokenizer: Tokenizer, client: RolloutClient, group: Any = None
     ) -> None:
-        self.cfg = cfg
         self.client = client
-        self.pool = env_pool(cfg, tokenizer, group)
-        self.next_id = 0
+        settings = env_settings(cfg, tokenizer)
+        self.service = EpisodeService(settings, env_pool(settings, group))
 
     def run(self, rows: list[dict], n: int, seeds: list[int]) -> EpisodeResult:
         """``n`` episodes of each row, row ``i`` seeded with ``seeds[i]``."""
@@ -108,22 +114,10 @@ class EpisodeDriver:
 
     def run_params(self, rows: list[dict], n: int, params: list[SamplingParams]) -> EpisodeResult:
         """``n`` episodes of each row with its own sampling settings."""
-        r = self.cfg.rollout
-        result = run_episodes(
-            self.client.engine.generate,
-            self.pool,  # type: ignore[arg-type]
-            rows,
-            n,
-            params,
-            max_turns=r.max_turns,
-            turn_discount=r.turn_discount,
-            first_id=self.next_id,
-        )
-        self.next_id += len(rows) * n
-        return result
+        return self.service.run(self.client.engine.generate, rows, n, params)
 
     def close(self) -> None:
-        self.pool.close()
+        self.service.close()
 
 
 class EpisodeEngine:

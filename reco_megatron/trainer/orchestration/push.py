@@ -95,6 +95,7 @@ class WeightPusher:
         spec: dict[str, Any],
         expected: dict[str, tuple[int, ...]],
         run_id: str,
+        env: dict[str, Any] | None = None,
     ) -> None:
         self.cfg = cfg
         self.plan = plan
@@ -145,6 +146,7 @@ class WeightPusher:
                         "generate_timeout_s": float(cfg.rollout.generate_timeout_s),
                         "worker_token": tokens[wid][0],
                         "trainer_token": tokens[wid][1],
+                        "env": env,
                     }
                     for wid in self.worker_ids
                 }

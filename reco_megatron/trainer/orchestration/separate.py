@@ -54,7 +54,10 @@ class SeparateRollout:
         layout: RankLayout,
         run_dir: Path,
         run_id: str,
+        env: dict[str, Any] | None = None,
     ) -> None:
+        """``env``: the environment settings (``EnvSettings.to_wire()``) when every response
+        is an episode (``rollout.env``): the workers run the episodes."""
         r = cfg.rollout
         self.cfg = cfg
         self.k = r.staleness_bound
@@ -73,6 +76,7 @@ class SeparateRollout:
                 group_size=r.group_size,
                 max_staleness=self.k,
                 stop_on_failure=r.worker_failure == "stop",
+                rows=prompts.rows if env is not None else None,
             )
             if self.pool is not None
             else None
@@ -86,7 +90,7 @@ class SeparateRollout:
             bucket_bytes=r.weight_bucket_mb * 2**20,
         )
         self.pusher = WeightPusher(
-            cfg, plan, policy.role(), policy, self.pool, spec, expected, run_id
+            cfg, plan, policy.role(), policy, self.pool, spec, expected, run_id, env
         )
         if self.pool is not None:
             self.pool.wait_ready(plan.digest())
@@ -110,12 +114,20 @@ class SeparateRollout:
         got = payload[0]
         if isinstance(got[0], int):  # (worker, message): every rank stops the same way
             raise WorkerLost(got[0], got[1])
-        groups, metrics = got
+        groups, episodes, metrics = got
         mine = self.prompts.mine(len(drawn.indices), self.layout.dp_rank, self.layout.dp_size)
         prompt_ids, golds = self.prompts.encode(drawn.indices, mine)
-        return StepRollout(
+        got = StepRollout(
             drawn.indices, prompt_ids, [groups[g] for g in mine], golds, False, metrics
         )
+        if episodes is not None:  # as the colocated run's episodes of these groups
+            records = [episodes[g] for g in mine]
+            got.prompts = [r["prompt"] for r in records]
+            got.turn_rewards = [r["turn_rewards"] for r in records]
+            got.failed = [r["failed"] for r in records]
+            names = records[0]["metrics"] if records else {}
+            got.counters = {k: sum(r["metrics"][k] for r in records) for k in names}
+        return got
 
     def before_update(self) -> None:
         pass  # the workers have devices of their own
