@@ -26,6 +26,7 @@ import time
 from typing import Any
 
 import torch
+from rollout_engines import SMOKE  # benchmarks/ is the script's folder
 
 from reco_megatron.megatron.decoding.decoder import MegatronDecoder
 from reco_megatron.megatron.distributed import ParallelConfig, initialize_parallel
@@ -34,16 +35,7 @@ from reco_megatron.megatron.model.config import ModelConfig
 from reco_megatron.rollout import SamplingParams
 from reco_megatron.rollout.megatron_engine import MegatronEngine, MegatronEngineConfig
 
-CALCULATOR = dict(
-    family="llama",
-    num_layers=4,
-    hidden_size=128,
-    ffn_hidden_size=352,
-    num_attention_heads=4,
-    num_query_groups=2,
-    vocab_size=128,
-    make_vocab_size_divisible_by=64,
-)
+CALCULATOR = dict(family="llama", **SMOKE)  # examples/calculator_cpu.yaml: the tiny model
 
 
 def _arguments() -> argparse.Namespace:
