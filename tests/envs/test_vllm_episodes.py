@@ -84,3 +84,24 @@ def test_the_trainer_runs_episodes_on_real_vllm(tmp_path, tp: int) -> None:
     for row in rows:
         assert row["logprob_mismatch"] < 1e-5, row
         assert row["env_tool_calls_mean"] > 0 and row["env_failed"] == 0
+
+
+def test_a_separate_vllm_worker_runs_episodes(tmp_path) -> None:
+    """Episodes on a vLLM rollout worker in its own process (``rollout.placement=separate``,
+    K = 0): the worker runs the environment, the trainer trains on its episodes; the first
+    step's log-probs of the action tokens match the trainer's old-policy pass (observations
+    masked) and every episode called the tool."""
+    import json
+
+    from reco_megatron.train import main
+
+    extra = [
+        "rollout.placement=separate", "rollout.max_staleness=0", f"trainer.output_dir={tmp_path}",
+    ]  # fmt: skip
+    assert main(["examples/calculator_cpu.yaml", *RUN, *extra]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        assert row["logprob_mismatch"] < 1e-5, row
+        assert row["env_tool_calls_mean"] > 0 and row["env_failed"] == 0, row
+        assert row["env_observation_frac"] > 0 and row["weight_push_s"] > 0, row
