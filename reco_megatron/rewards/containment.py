@@ -136,7 +136,8 @@ def _exit_like(status: int) -> None:
     """Exit with the scorer's wait ``status`` (a signal death is reproduced as one)."""
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
-        signal.signal(sig, signal.SIG_DFL)
+        if sig != signal.SIGKILL:  # SIGKILL takes no handler (EINVAL); it always kills
+            signal.signal(sig, signal.SIG_DFL)
         os.kill(os.getpid(), sig)
     os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1)
 
