@@ -8,6 +8,7 @@ demand (a process that exits between the scan and the kill)."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from reco_megatron.rewards import containment
+from reco_megatron.rewards.containment import END_SIGNAL, KILL_ROUNDS, start_worker, stop_worker
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux")
@@ -31,6 +33,82 @@ class _Exited(Exception):
 
 def _no_exit(code: int) -> None:
     raise _Exited(code)
+
+
+def _scripted_kill(monkeypatch, rounds: list[list[int]], fails: dict[int, type[OSError]]):
+    """``descendants`` answers ``rounds`` in turn (then none); ``os.kill`` records each call
+    and raises ``fails[pid]`` (once) for a pid that has gone or is not ours."""
+    scans, kills, reaps, sleeps = [], [], [], []
+    script = iter(rounds)
+
+    def descendants(pid: int) -> list[int]:
+        scans.append(pid)
+        return next(script, [])
+
+    def kill(pid: int, sig: int) -> None:
+        kills.append((pid, sig))
+        if pid in fails:
+            raise fails.pop(pid)()
+
+    monkeypatch.setattr(containment, "descendants", descendants)
+    monkeypatch.setattr(containment, "_reap", lambda: reaps.append(True))
+    monkeypatch.setattr(os, "kill", kill)
+    monkeypatch.setattr(containment.time, "sleep", sleeps.append)
+    return scans, kills, reaps, sleeps
+
+
+def test_the_kill_counts_the_signals_delivered_and_rides_over_races(monkeypatch) -> None:
+    """A process that exits between the scan and the kill (ProcessLookupError) or whose pid
+    went to a process that is not ours (PermissionError) is skipped, not counted, and does
+    not stop the kill; one still listed after its SIGKILL (not dead yet) is killed again."""
+    gone, foreign = ProcessLookupError, PermissionError
+    scans, kills, reaps, sleeps = _scripted_kill(
+        monkeypatch, [[11, 12, 13], [11]], {12: gone, 13: foreign}
+    )
+    assert containment.kill_subtree(5) == 2  # 11 twice; 12 and 13 got no signal
+    assert kills == [(pid, signal.SIGKILL) for pid in (11, 12, 13, 11)]
+    assert scans == [5, 5, 5]  # the third scan finds none: done
+    assert reaps == []  # another process's subtree: its zombies are not ours to reap
+    assert sleeps and max(sleeps) <= 0.01  # rounds of milliseconds, as documented
+
+
+def test_the_kill_defaults_to_its_own_subtree_and_reaps_it(monkeypatch) -> None:
+    """``kill_subtree()`` is the keeper's: it scans below itself and reaps its own children
+    after each round (they are its children, or re-parented to it as the subreaper)."""
+    scans, _, reaps, _ = _scripted_kill(monkeypatch, [[21], [22]], {})
+    assert containment.kill_subtree() == 2
+    assert scans == [os.getpid()] * 3 and len(reaps) == 2
+
+
+def test_a_subtree_that_keeps_forking_is_given_up_after_the_rounds(monkeypatch) -> None:
+    scans, _, _, _ = _scripted_kill(monkeypatch, [[31]] * (KILL_ROUNDS + 5), {})
+    assert containment.kill_subtree(5) == KILL_ROUNDS == len(scans)
+
+
+def test_the_scan_goes_on_past_a_process_that_exits_during_it(monkeypatch) -> None:
+    """A pid listed in /proc whose stat can no longer be read (it exited) hides nothing after
+    it. 4194305 is above the kernel's largest pid_max, so it never exists."""
+    entries = os.listdir("/proc")
+    monkeypatch.setattr(os, "listdir", lambda path: ["4194305", *entries])
+    assert os.getpid() in containment._parents()
+
+
+def test_reap_collects_every_exited_child_and_returns(monkeypatch) -> None:
+    """``_reap`` waits without blocking until no exited child is left (0: children live on,
+    none exited; ChildProcessError: no children at all)."""
+    for answers in ([(41, 0), (42, 9), (0, 0)], [(41, 0), ChildProcessError()]):
+        script, calls = iter(answers), []
+
+        def waitpid(pid: int, options: int, script=script, calls=calls) -> tuple[int, int]:
+            calls.append((pid, options))
+            answer = next(script)
+            if isinstance(answer, BaseException):
+                raise answer
+            return answer
+
+        monkeypatch.setattr(os, "waitpid", waitpid)
+        containment._reap()
+        assert calls == [(-1, os.WNOHANG)] * len(answers)
 
 
 def _exit_like(monkeypatch, status: int) -> tuple[int, list, list]:
@@ -74,3 +152,116 @@ def test_a_sigkilled_scorer_is_a_sigkilled_keeper_without_a_traceback() -> None:
         [sys.executable, "-c", _KEEPER], env=env, capture_output=True, text=True, timeout=60
     )
     assert (done.returncode, done.stderr) == (-signal.SIGKILL, "")
+
+
+def test_the_end_signal_kills_the_keepers_own_subtree_and_exits_0(monkeypatch) -> None:
+    calls = []
+    monkeypatch.setattr(containment, "kill_subtree", lambda *a: calls.append(a))
+    monkeypatch.setattr(os, "_exit", _no_exit)
+    with pytest.raises(_Exited) as exited:
+        containment._end(END_SIGNAL, None)
+    assert (calls, exited.value.code) == ([()], 0)
+
+
+def test_become_subreaper_makes_orphans_this_processs_children() -> None:
+    """Checked with PR_GET_CHILD_SUBREAPER (37), then undone: the test process stays as it was."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    before, after = ctypes.c_int(-1), ctypes.c_int(-1)
+    assert libc.prctl(37, ctypes.byref(before), 0, 0, 0) == 0
+    libc.prctl(containment.PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+    try:
+        containment._become_subreaper()
+        assert libc.prctl(37, ctypes.byref(after), 0, 0, 0) == 0 and after.value == 1
+    finally:
+        libc.prctl(containment.PR_SET_CHILD_SUBREAPER, before.value, 0, 0, 0)
+
+
+def test_a_worker_starts_in_its_own_session_with_only_the_given_env_and_no_stdin() -> None:
+    """The keeper leads a session and group of its own (no terminal signal reaches it, and the
+    pool's fallback kills that group only), gets exactly ``env`` (not the trainer's), and never
+    reads the trainer's stdin: fd 0 here is made a pipe for the test, the worker's must be
+    /dev/null."""
+    env = {"PYTHONPATH": str(ROOT), "PROBE_MARK": "given"}
+    os.environ["PROBE_TRAINER_ONLY"] = "1"
+    saved, (r, w) = os.dup(0), os.pipe()
+    os.dup2(r, 0)
+    try:
+        proc, conn = start_worker(env, "hello", module="tests.rewards._probe_worker")
+    finally:
+        os.dup2(saved, 0)
+        for fd in (saved, r, w):
+            os.close(fd)
+        del os.environ["PROBE_TRAINER_ONLY"]
+    try:
+        assert conn.poll(30), "the probe worker did not answer"
+        seen = conn.recv()
+    finally:
+        stop_worker(proc, conn)
+    assert (seen["first_message"], seen["parent_pid"]) == ("hello", os.getpid())
+    assert seen["session"] == seen["group"] == proc.pid
+    assert seen["env"].get("PROBE_MARK") == "given" and "PROBE_TRAINER_ONLY" not in seen["env"]
+    assert seen["stdin_is_devnull"]
+    assert proc.returncode is not None and conn.closed
+
+
+class _Proc:
+    """A keeper as ``stop_worker`` sees it: ``waits`` answers each ``wait`` in turn (None: it
+    exited; an exception: still running)."""
+
+    def __init__(self, running: bool, waits: list) -> None:
+        self.pid, self.running, self.waits, self.timeouts = 4194305, running, iter(waits), []
+
+    def poll(self) -> int | None:
+        return None if self.running else 0
+
+    def wait(self, timeout: float) -> None:
+        self.timeouts.append(timeout)
+        answer = next(self.waits)
+        if answer is not None:
+            raise answer
+
+
+class _Conn:
+    closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _stop(monkeypatch, proc: _Proc, kill_fails=None, killpg_fails=None, **kw) -> list:
+    signals = []
+
+    def sender(name, fails):
+        def send(pid, sig):
+            signals.append((name, pid, sig))
+            if fails is not None:
+                raise fails()
+
+        return send
+
+    monkeypatch.setattr(os, "kill", sender("kill", kill_fails))
+    monkeypatch.setattr(os, "killpg", sender("killpg", killpg_fails))
+    conn = _Conn()
+    stop_worker(proc, conn, **kw)
+    assert conn.closed  # always, whatever the keeper did
+    return signals
+
+
+def test_stop_worker_signals_the_keeper_then_kills_its_group_if_it_stays(monkeypatch) -> None:
+    pid, stuck = 4194305, subprocess.TimeoutExpired("keeper", 1)
+    assert _stop(monkeypatch, _Proc(False, [])) == []  # it had exited: nothing to signal
+    proc = _Proc(True, [None])
+    assert _stop(monkeypatch, proc) == [("kill", pid, END_SIGNAL)]
+    assert proc.timeouts == [5.0]  # the documented default
+    proc = _Proc(True, [stuck, None])
+    assert _stop(monkeypatch, proc, timeout_s=0.5) == [
+        ("kill", pid, END_SIGNAL),
+        ("killpg", pid, signal.SIGKILL),
+    ]
+    assert proc.timeouts == [0.5, 0.5]
+    # Races: the keeper exited between poll and kill; its group is gone (or, pid reused, not
+    # ours) by the killpg; it is still not reaped after the second wait. None is an error.
+    for gone in (ProcessLookupError, PermissionError):
+        proc = _Proc(True, [stuck, stuck])
+        sent = _stop(monkeypatch, proc, ProcessLookupError, gone, timeout_s=0.5)
+        assert [s[0] for s in sent] == ["kill", "killpg"] and len(proc.timeouts) == 2
