@@ -265,3 +265,58 @@ def test_stop_worker_signals_the_keeper_then_kills_its_group_if_it_stays(monkeyp
         proc = _Proc(True, [stuck, stuck])
         sent = _stop(monkeypatch, proc, ProcessLookupError, gone, timeout_s=0.5)
         assert [s[0] for s in sent] == ["kill", "killpg"] and len(proc.timeouts) == 2
+
+
+def _scorer_reports(fd: int, outcome: object) -> None:
+    """The scorer: write what it sees of its signals to ``fd``, then end as ``outcome`` says."""
+    seen = {
+        "stop_signals_caught": all(
+            callable(signal.getsignal(s)) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+        ),
+        "end_signal_default": signal.getsignal(END_SIGNAL) == signal.SIG_DFL,
+    }
+    os.write(fd, repr(seen).encode())
+    os.close(fd)
+    if isinstance(outcome, BaseException):
+        raise outcome
+
+
+@pytest.mark.parametrize(
+    ("outcome", "status"),
+    [(None, 0), (SystemExit(3), 3 << 8), (SystemExit("bye"), 1 << 8), (ValueError("x"), 1 << 8)],
+)
+def test_the_keeper_forks_the_scorer_waits_for_it_and_ends_its_subtree(
+    monkeypatch, outcome, status
+) -> None:
+    """``keeper_main`` in this process, its own exit and kill recorded; the scorer is a real
+    fork. The scorer catches the stop signals (not ignores them) and has END_SIGNAL's default;
+    the keeper arms its own handler and the death signal, closes its copy of the scorer's fd,
+    waits for the scorer, kills what is left below itself and exits with the scorer's status
+    (``sys.exit(3)``: 3; another exit value or an exception: 1)."""
+    me, real_exit, calls = os.getpid(), os._exit, []
+
+    def exit_here(code: int) -> None:
+        if os.getpid() != me:
+            real_exit(code)  # the forked scorer really exits
+        raise _Exited(code)
+
+    monkeypatch.setattr(os, "_exit", exit_here)
+    monkeypatch.setattr(containment, "ignore_stop_signals", lambda: calls.append("ignore"))
+    monkeypatch.setattr(containment, "_become_subreaper", lambda: calls.append("subreaper"))
+    monkeypatch.setattr(containment, "die_with_parent", lambda *a: calls.append(("pdeath", *a)))
+    monkeypatch.setattr(containment, "kill_subtree", lambda *a: calls.append(("kill", *a)))
+    monkeypatch.setattr(containment, "_exit_like", lambda st: calls.append(("exit", st)))
+    handler = signal.getsignal(END_SIGNAL)
+    r, w = os.pipe()
+    try:
+        containment.keeper_main(4194305, w, lambda fd: _scorer_reports(fd, outcome))
+        assert signal.getsignal(END_SIGNAL) is containment._end
+    finally:
+        signal.signal(END_SIGNAL, handler)
+    with pytest.raises(OSError):
+        os.fstat(w)  # closed in the keeper: only the scorer held it
+    with os.fdopen(r) as f:
+        seen = f.read()
+    assert seen == repr({"stop_signals_caught": True, "end_signal_default": True})
+    assert calls[:3] == ["ignore", "subreaper", ("pdeath", 4194305, END_SIGNAL)]
+    assert calls[3:] == [("kill",), ("exit", status)]
