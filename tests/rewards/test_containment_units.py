@@ -9,6 +9,7 @@ demand (a process that exits between the scan and the kill)."""
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import signal
 import subprocess
@@ -320,3 +321,26 @@ def test_the_keeper_forks_the_scorer_waits_for_it_and_ends_its_subtree(
     assert seen == repr({"stop_signals_caught": True, "end_signal_default": True})
     assert calls[:3] == ["ignore", "subreaper", ("pdeath", 4194305, END_SIGNAL)]
     assert calls[3:] == [("kill",), ("exit", status)]
+
+
+def test_a_refused_subreaper_call_is_an_oserror_naming_the_reason(monkeypatch) -> None:
+    """A kernel that refuses the prctl (here a stand-in libc) stops the keeper with the errno
+    and its text. The stand-in keeps ctypes' rule: the errno that ``ctypes.get_errno`` reads
+    is the call's own only for a library loaded with ``use_errno=True``."""
+
+    class _Libc:
+        def __init__(self, use_errno: bool) -> None:
+            self.use_errno = use_errno
+
+        def prctl(self, *args: int) -> int:
+            assert args == (containment.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+            ctypes.set_errno(errno.EINVAL if self.use_errno else 0)
+            return -1
+
+    monkeypatch.setattr(ctypes, "CDLL", lambda name, use_errno=False: _Libc(use_errno))
+    with pytest.raises(OSError) as refused:
+        containment._become_subreaper()
+    assert refused.value.errno == errno.EINVAL
+    assert refused.value.strerror == (
+        f"prctl(PR_SET_CHILD_SUBREAPER) failed: {os.strerror(errno.EINVAL)}"
+    )
