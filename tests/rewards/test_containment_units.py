@@ -268,9 +268,11 @@ def test_stop_worker_signals_the_keeper_then_kills_its_group_if_it_stays(monkeyp
         assert [s[0] for s in sent] == ["kill", "killpg"] and len(proc.timeouts) == 2
 
 
-def _scorer_reports(fd: int, outcome: object) -> None:
-    """The scorer: write what it sees of its signals to ``fd``, then end as ``outcome`` says."""
+def _scorer_reports(fd: int, outcome: object, calls: list) -> None:
+    """The scorer: write what it sees of its signals and its own calls (its copy of the
+    recorder) to ``fd``, then end as ``outcome`` says."""
     seen = {
+        "calls": calls,
         "stop_signals_caught": all(
             callable(signal.getsignal(s)) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
         ),
@@ -289,17 +291,24 @@ def _scorer_reports(fd: int, outcome: object) -> None:
 def test_the_keeper_forks_the_scorer_waits_for_it_and_ends_its_subtree(
     monkeypatch, outcome, status
 ) -> None:
-    """``keeper_main`` in this process, its own exit and kill recorded; the scorer is a real
-    fork. The scorer catches the stop signals (not ignores them) and has END_SIGNAL's default;
+    """``keeper_main`` in this process, its own exit, kill and waits recorded; the scorer is a
+    real fork. The scorer catches the stop signals (not ignores them) and has END_SIGNAL's default;
     the keeper arms its own handler and the death signal, closes its copy of the scorer's fd,
     waits for the scorer, kills what is left below itself and exits with the scorer's status
     (``sys.exit(3)``: 3; another exit value or an exception: 1)."""
-    me, real_exit, calls = os.getpid(), os._exit, []
+    me, real_exit, real_waitpid, calls = os.getpid(), os._exit, os.waitpid, []
 
     def exit_here(code: int) -> None:
-        if os.getpid() != me:
-            real_exit(code)  # the forked scorer really exits
+        if os.getpid() != me:  # the forked scorer really exits, and never runs on as pytest
+            try:
+                real_exit(code)
+            finally:
+                real_exit(99)  # a code os._exit refuses
         raise _Exited(code)
+
+    def waitpid(pid: int, options: int) -> tuple[int, int]:
+        calls.append(("waitpid", pid, options))
+        return real_waitpid(pid, options)
 
     monkeypatch.setattr(os, "_exit", exit_here)
     monkeypatch.setattr(containment, "ignore_stop_signals", lambda: calls.append("ignore"))
@@ -307,10 +316,11 @@ def test_the_keeper_forks_the_scorer_waits_for_it_and_ends_its_subtree(
     monkeypatch.setattr(containment, "die_with_parent", lambda *a: calls.append(("pdeath", *a)))
     monkeypatch.setattr(containment, "kill_subtree", lambda *a: calls.append(("kill", *a)))
     monkeypatch.setattr(containment, "_exit_like", lambda st: calls.append(("exit", st)))
+    monkeypatch.setattr(os, "waitpid", waitpid)
     handler = signal.getsignal(END_SIGNAL)
     r, w = os.pipe()
     try:
-        containment.keeper_main(4194305, w, lambda fd: _scorer_reports(fd, outcome))
+        containment.keeper_main(4194305, w, lambda fd: _scorer_reports(fd, outcome, calls))
         assert signal.getsignal(END_SIGNAL) is containment._end
     finally:
         signal.signal(END_SIGNAL, handler)
@@ -318,9 +328,15 @@ def test_the_keeper_forks_the_scorer_waits_for_it_and_ends_its_subtree(
         os.fstat(w)  # closed in the keeper: only the scorer held it
     with os.fdopen(r) as f:
         seen = f.read()
-    assert seen == repr({"stop_signals_caught": True, "end_signal_default": True})
-    assert calls[:3] == ["ignore", "subreaper", ("pdeath", 4194305, END_SIGNAL)]
-    assert calls[3:] == [("kill",), ("exit", status)]
+    armed = ["ignore", "subreaper", ("pdeath", 4194305, END_SIGNAL)]
+    # the scorer dies with the keeper (this process): SIGKILL, die_with_parent's default
+    scorer = {"calls": [*armed, ("pdeath", me)], "stop_signals_caught": True}
+    assert seen == repr({**scorer, "end_signal_default": True})
+    assert calls[:3] == armed
+    # the keeper blocks in waitpid (options 0: no busy polling) until the scorer is reaped
+    waits = calls[3:-2]
+    assert waits and all(c[:3] == ("waitpid", -1, 0) for c in waits)
+    assert calls[-2:] == [("kill",), ("exit", status)]
 
 
 def test_a_refused_subreaper_call_is_an_oserror_naming_the_reason(monkeypatch) -> None:
