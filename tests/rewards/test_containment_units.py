@@ -285,11 +285,17 @@ def _scorer_reports(fd: int, outcome: object, calls: list) -> None:
 
 
 @pytest.mark.parametrize(
-    ("outcome", "status"),
-    [(None, 0), (SystemExit(3), 3 << 8), (SystemExit("bye"), 1 << 8), (ValueError("x"), 1 << 8)],
+    ("outcome", "status", "sigchld"),
+    [
+        (None, 0, signal.SIG_DFL),
+        (SystemExit(3), 3 << 8, signal.SIG_DFL),
+        (SystemExit(3), 3 << 8, signal.SIG_IGN),  # inherited: would reap the scorer unseen
+        (SystemExit("bye"), 1 << 8, signal.SIG_DFL),
+        (ValueError("x"), 1 << 8, signal.SIG_DFL),
+    ],
 )
 def test_the_keeper_forks_the_scorer_waits_for_it_and_ends_its_subtree(
-    monkeypatch, outcome, status
+    monkeypatch, outcome, status, sigchld
 ) -> None:
     """``keeper_main`` in this process, its own exit, kill and waits recorded; the scorer is a
     real fork. The scorer catches the stop signals (not ignores them) and has END_SIGNAL's default;
@@ -317,13 +323,14 @@ def test_the_keeper_forks_the_scorer_waits_for_it_and_ends_its_subtree(
     monkeypatch.setattr(containment, "kill_subtree", lambda *a: calls.append(("kill", *a)))
     monkeypatch.setattr(containment, "_exit_like", lambda st: calls.append(("exit", st)))
     monkeypatch.setattr(os, "waitpid", waitpid)
-    handler = signal.getsignal(END_SIGNAL)
+    handler, chld = signal.getsignal(END_SIGNAL), signal.signal(signal.SIGCHLD, sigchld)
     r, w = os.pipe()
     try:
         containment.keeper_main(4194305, w, lambda fd: _scorer_reports(fd, outcome, calls))
         assert signal.getsignal(END_SIGNAL) is containment._end
     finally:
         signal.signal(END_SIGNAL, handler)
+        signal.signal(signal.SIGCHLD, chld)
     with pytest.raises(OSError):
         os.fstat(w)  # closed in the keeper: only the scorer held it
     with os.fdopen(r) as f:
