@@ -136,7 +136,8 @@ def _exit_like(status: int) -> None:
     """Exit with the scorer's wait ``status`` (a signal death is reproduced as one)."""
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
-        signal.signal(sig, signal.SIG_DFL)
+        if sig != signal.SIGKILL:  # SIGKILL takes no handler (EINVAL); it always kills
+            signal.signal(sig, signal.SIG_DFL)
         os.kill(os.getpid(), sig)
     os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1)
 
@@ -145,6 +146,7 @@ def keeper_main(parent_pid: int, fd: int, scorer: Callable[[int], None]) -> None
     """Run as the keeper: arm the death signal, fork ``scorer(fd)`` as the scorer, then
     reap until it exits; never returns."""
     ignore_stop_signals()
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # an inherited SIG_IGN reaps unseen
     signal.signal(END_SIGNAL, _end)
     _become_subreaper()
     die_with_parent(parent_pid, END_SIGNAL)
@@ -164,12 +166,8 @@ def keeper_main(parent_pid: int, fd: int, scorer: Callable[[int], None]) -> None
         finally:
             os._exit(code)
     os.close(fd)  # only the scorer holds the socket: its death reads as EOF in the pool
-    while True:
-        try:
-            done, status = os.waitpid(-1, 0)
-        except ChildProcessError:
-            status = 0
-            break
+    while True:  # the scorer is a child until reaped here, so waitpid has one to wait for
+        done, status = os.waitpid(-1, 0)
         if done == pid:
             break
     kill_subtree()
