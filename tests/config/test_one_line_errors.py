@@ -1,0 +1,80 @@
+"""The one-line errors word by word: each test states a property of the message a user reads
+(written for the survivors of a mutation run over ``reco_megatron/config/``, see
+``docs/mutation_survivors.md``, "config: the one-line-error paths")."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from reco_megatron.config import USAGE, ConfigError, parse_cli
+from reco_megatron.config.errors import Problems, describe_value, did_you_mean, unknown_key_message
+
+
+def test_describe_value_keeps_a_repr_of_60_characters_and_cuts_a_longer_one_to_60() -> None:
+    assert describe_value("x" * 58) == "'" + "x" * 58 + "' (str)"  # repr: exactly 60
+    assert describe_value("x" * 59) == "'" + "x" * 56 + "... (str)"  # 61 -> 57 + "..."
+
+
+def test_did_you_mean_names_at_most_three_joined_by_or_and_nothing_when_none_is_close() -> None:
+    assert did_you_mean("seed", ["seeds", "zzz"]) == "did you mean 'seeds'? "
+    assert did_you_mean("eps_high", ["eps_hi", "eps_hig"]) == "did you mean 'eps_hig' or 'eps_hi'? "
+    assert did_you_mean("ab", ["abc", "abd", "abe", "abf"]).count("'") == 6  # three names
+    assert did_you_mean("seed", ["zzzz"]) == ""
+
+
+def test_unknown_key_of_a_section_without_keys_says_none() -> None:
+    assert (
+        unknown_key_message("x", [], ()) == "unknown key 'x'; valid keys of the top level: (none)"
+    )
+
+
+def test_problems_is_true_only_once_something_is_recorded() -> None:
+    problems = Problems()
+    assert not problems
+    problems.add(("seed",), "bad")
+    assert problems
+
+
+def test_a_later_override_of_a_section_takes_over_the_origin_of_its_keys() -> None:
+    problems = Problems()
+    problems.set_origin(("loss", "eps_high"), "loss.eps_high=x")
+    problems.set_origin(("loss",), "loss={eps_high: y}")
+    problems.add(("loss", "eps_high"), "bad")
+    assert problems.items == ["loss.eps_high: bad (set by override 'loss={eps_high: y}')"]
+
+
+def test_a_value_no_override_set_names_no_override() -> None:
+    problems = Problems({("loss", "eps_high"): "loss.eps_high=x"})
+    problems.add(("seed",), "bad")
+    assert problems.items == ["seed: bad"]
+
+
+def test_parse_cli_reads_sys_argv_after_the_program_name(monkeypatch) -> None:
+    monkeypatch.setattr(sys, "argv", ["train", "seed=1", "debug=true"])
+    assert parse_cli() == (None, ["seed=1", "debug=true"])
+
+
+def test_a_first_argument_with_an_equals_sign_is_an_override_even_if_it_ends_in_yaml() -> None:
+    assert parse_cli(["name=run.yaml"]) == (None, ["name=run.yaml"])
+
+
+@pytest.mark.parametrize("argv", [["--cfg.yaml"], ["seed=1", "--cfg.yaml"]])
+def test_a_dashed_yaml_name_is_an_option_not_a_config_file(argv: list[str]) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_cli(argv)
+    assert info.value.problems == (
+        "override '--cfg.yaml': options are not overrides; drop the dashes: loss.eps_high=0.28",
+        USAGE,
+    )
+
+
+def test_every_argument_after_a_misplaced_config_file_is_still_checked() -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_cli(["seed=1", "b.yaml", "x"])
+    assert info.value.problems == (
+        "config file 'b.yaml' must come first, before the overrides",
+        "override 'x' has no '=': write dotted.key=value, e.g. loss.eps_high=0.28",
+        USAGE,
+    )
