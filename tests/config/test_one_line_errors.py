@@ -5,11 +5,14 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass, field
 
 import pytest
 
-from reco_megatron.config import USAGE, ConfigError, parse_cli
+from reco_megatron.config import USAGE, ConfigError, load_config, parse_cli, parse_override
 from reco_megatron.config.errors import Problems, describe_value, did_you_mean, unknown_key_message
+from reco_megatron.config.overrides import parse_value
+from tests.config._sample import SampleConfig
 
 
 def test_describe_value_keeps_a_repr_of_60_characters_and_cuts_a_longer_one_to_60() -> None:
@@ -78,3 +81,71 @@ def test_every_argument_after_a_misplaced_config_file_is_still_checked() -> None
         "override 'x' has no '=': write dotted.key=value, e.g. loss.eps_high=0.28",
         USAGE,
     )
+
+
+def test_several_problems_get_a_counted_header_and_one_with_a_file_names_it() -> None:
+    assert str(ConfigError(["a", "b"])) == "invalid configuration (2 problems):\n  - a\n  - b"
+    assert str(ConfigError(["a"], "f.yaml")) == "invalid configuration f.yaml (1 problem):\n  - a"
+
+
+# overrides.py
+
+
+def test_an_override_value_over_the_node_cap_is_quoted_to_80_characters(monkeypatch) -> None:
+    monkeypatch.setenv("RECO_CONFIG_MAX_NODES", "5")
+    value = "[" + ", ".join(["1"] * 40) + "]"
+    with pytest.raises(ConfigError) as info:
+        parse_value(value)
+    (text,) = info.value.problems
+    assert text.startswith(f"override value {value[:80]!r}: the YAML expands to more than 5 ")
+
+
+def test_a_yaml_error_in_an_override_is_one_line_with_the_parser_s_reason() -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_override("tags=[a, b")
+    (text,) = info.value.problems
+    assert text.startswith("override 'tags=[a, b': cannot parse '[a, b' as a YAML value (while ")
+    assert "\n" not in text and "  " not in text and "expected ',' or ']'" in text
+
+
+def test_an_override_that_is_not_a_string_is_one_line() -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_override(5)  # type: ignore[arg-type]
+    assert info.value.problems == ("override 5: expected a string such as loss.eps_high=0.28",)
+
+
+def test_an_unknown_key_next_to_a_preset_key_suggests_the_preset() -> None:
+    from reco_megatron.trainer.config import TrainConfig
+
+    with pytest.raises(ConfigError) as info:
+        load_config(TrainConfig, None, ["loss.presett=grpo"])
+    (text,) = info.value.problems
+    assert text.startswith("loss.presett: unknown key 'presett'; did you mean 'preset'? ")
+
+
+def test_a_key_inside_a_scalar_leaf_is_told_to_set_it_whole() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(SampleConfig, None, ["seed.x=1"])
+    assert info.value.problems == (
+        "seed: has type int, not a section, so override 'seed.x=1' cannot set a key inside it; "
+        "set it whole, e.g. seed=...",
+    )
+
+
+def test_a_key_of_a_dict_the_file_set_edits_the_file_s_dict() -> None:
+    config = load_config(SampleConfig, {"reward_weights": {"code": 2.0}}, ["reward_weights.f=0.5"])
+    assert config.reward_weights == {"code": 2.0, "f": 0.5}
+
+
+@dataclass
+class _Inner:
+    weights: dict[str, float] = field(default_factory=lambda: {"a": 1.0})
+
+
+@dataclass
+class _Outer:
+    inner: _Inner = field(default_factory=lambda: _Inner(weights={"b": 2.0}))
+
+
+def test_a_key_of_a_dict_edits_the_section_s_default_instance_not_the_class_default() -> None:
+    assert load_config(_Outer, None, ["inner.weights.c=3"]).inner.weights == {"b": 2.0, "c": 3.0}
