@@ -6,10 +6,20 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
-from reco_megatron.config import USAGE, ConfigError, load_config, parse_cli, parse_override
+from reco_megatron.config import (
+    USAGE,
+    ConfigError,
+    load_config,
+    parse_cli,
+    parse_override,
+    read_yaml,
+)
+from reco_megatron.config.bounded_yaml import load_bounded
 from reco_megatron.config.errors import Problems, describe_value, did_you_mean, unknown_key_message
 from reco_megatron.config.overrides import parse_value
 from tests.config._sample import SampleConfig
@@ -149,3 +159,147 @@ class _Outer:
 
 def test_a_key_of_a_dict_edits_the_section_s_default_instance_not_the_class_default() -> None:
     assert load_config(_Outer, None, ["inner.weights.c=3"]).inner.weights == {"b": 2.0, "c": 3.0}
+
+
+# loader.py
+
+
+def test_an_undecodable_file_is_one_problem_under_the_file_s_name(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_bytes(b"\xffseed: 1\n")
+    with pytest.raises(ConfigError) as info:
+        read_yaml(path)
+    assert str(info.value) == (
+        f"invalid configuration {path} (1 problem):\n  - cannot read config file: 'utf-8' codec "
+        "can't decode byte 0xff in position 0: invalid start byte"
+    )
+
+
+def test_an_unreadable_file_is_one_problem_under_the_file_s_name(monkeypatch, tmp_path) -> None:
+    path = tmp_path / "cfg.yaml"
+    path.write_text("seed: 1\n")
+
+    def refuse(self, *args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(Path, "open", refuse)
+    with pytest.raises(ConfigError) as info:
+        read_yaml(path)
+    assert str(info.value) == (
+        f"invalid configuration {path} (1 problem):\n"
+        "  - cannot read config file: [Errno 13] Permission denied"
+    )
+
+
+def test_a_file_of_exactly_the_size_cap_is_read_and_one_byte_more_is_not(
+    monkeypatch, tmp_path
+) -> None:
+    monkeypatch.setenv("RECO_CONFIG_MAX_BYTES", "10")
+    path = tmp_path / "cfg.yaml"
+    path.write_text("seed: 1234")  # 10 bytes
+    assert read_yaml(path) == {"seed": 1234}
+    path.write_text("seed: 12345")
+    with pytest.raises(ConfigError) as info:
+        read_yaml(path)
+    assert str(info.value).startswith(
+        f"invalid configuration {path} (1 problem):\n  - the config file is larger than 10 bytes"
+    )
+
+
+def test_a_repeated_key_in_a_file_is_one_problem_under_the_file_s_name(tmp_path: Path) -> None:
+    path = tmp_path / "dup.yaml"
+    path.write_text("seed: 1\nseed: 2\n")
+    with pytest.raises(ConfigError) as info:
+        read_yaml(path)
+    assert str(info.value).startswith(
+        f"invalid configuration {path} (1 problem):\n  - key 'seed' appears twice"
+    )
+
+
+def test_a_config_instance_as_source_names_no_file() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(SampleConfig, SampleConfig(), ["seed=x"])
+    assert str(info.value) == "seed: expected int, got 'x' (str) (set by override 'seed=x')"
+
+
+def test_a_source_of_the_wrong_type_names_its_type() -> None:
+    with pytest.raises(TypeError) as info:
+        load_config(SampleConfig, 5)  # type: ignore[arg-type]
+    assert str(info.value) == "config source must be a YAML path, a mapping or None, got int"
+
+
+def test_a_mapping_that_contains_itself_is_one_line() -> None:
+    source: dict = {"seed": 1}
+    source["extra"] = source
+    with pytest.raises(ConfigError) as info:
+        load_config(SampleConfig, source)
+    assert str(info.value) == "the config refers to itself (a recursive YAML alias)"
+
+
+@dataclass
+class _Completed:
+    seed: int = 0
+    name: str = ""
+    calls: ClassVar[list[dict]] = []
+
+    @classmethod
+    def complete_raw(cls, raw: dict, problems: Problems) -> None:
+        cls.calls.append(dict(raw))
+        raw.setdefault("name", f"seed-{raw.get('seed')}")
+
+
+def test_complete_raw_fills_what_the_user_left_out_and_is_skipped_after_a_problem() -> None:
+    _Completed.calls.clear()
+    assert load_config(_Completed, {"seed": 3}).name == "seed-3"
+    assert _Completed.calls == [{"seed": 3}]
+    with pytest.raises(ConfigError):
+        load_config(_Completed, {"seed": 3}, ["nope=1"])
+    assert len(_Completed.calls) == 1
+
+
+# bounded_yaml.py
+
+
+@pytest.mark.parametrize(
+    ("text", "nodes"),
+    [("5", 1), ("[1, 2, 3]", 4), ("{a: 1}", 3), ("{a: 1, b: [1, 2]}", 7), ("[{a: 1}, [2]]", 6)],
+)
+def test_the_node_cap_counts_every_value_and_key_exactly(text: str, nodes: int) -> None:
+    load_bounded(text, max_nodes=nodes)
+    for cap in range(1, nodes):
+        with pytest.raises(ConfigError) as info:
+            load_bounded(text, max_nodes=cap)
+        assert info.value.problems == (
+            f"the YAML expands to more than {cap} values (aliases counted as copies; near line "
+            "1): is it an alias bomb? Raise the limit with the environment variable "
+            "RECO_CONFIG_MAX_NODES=N if the config is meant to be this large",
+        )
+
+
+def test_a_limit_of_one_is_allowed_and_zero_is_not(monkeypatch) -> None:
+    monkeypatch.setenv("RECO_CONFIG_MAX_NODES", "1")
+    assert load_bounded("5") == 5
+    monkeypatch.setenv("RECO_CONFIG_MAX_NODES", "0")
+    with pytest.raises(ConfigError) as info:
+        load_bounded("5")
+    assert info.value.problems == (
+        "RECO_CONFIG_MAX_NODES='0' must be a positive whole number (or unset)",
+    )
+
+
+def test_a_repeated_key_is_one_line_naming_both_lines() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_bounded("a: 1\nb: 2\na: 3\n")
+    assert info.value.problems == (
+        "key 'a' appears twice in one mapping (line 1 and line 3): the second would silently "
+        "replace the first; merge them into one",
+    )
+
+
+def test_two_merge_keys_are_not_a_repeated_key_but_a_later_repeat_is() -> None:
+    text = "a: &a {x: 1}\nb: &b {y: 2}\nc:\n  <<: *a\n  <<: *b\n"
+    assert load_bounded(text)["c"] == {"x": 1, "y": 2}
+    with pytest.raises(ConfigError, match="key 'z' appears twice"):
+        load_bounded("a: &a {x: 1}\nc: {<<: *a, z: 1, z: 2}\n")
+    with pytest.raises(ConfigError, match="key 'z' appears twice"):
+        load_bounded("c: {[1]: 0, z: 1, z: 2}\n")
