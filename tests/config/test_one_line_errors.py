@@ -246,6 +246,8 @@ class _Completed:
     def complete_raw(cls, raw: dict, problems: Problems) -> None:
         cls.calls.append(dict(raw))
         raw.setdefault("name", f"seed-{raw.get('seed')}")
+        if raw.get("seed", 0) < 0:
+            problems.add(("seed",), "must be >= 0 to name the run")
 
 
 def test_complete_raw_fills_what_the_user_left_out_and_is_skipped_after_a_problem() -> None:
@@ -255,6 +257,9 @@ def test_complete_raw_fills_what_the_user_left_out_and_is_skipped_after_a_proble
     with pytest.raises(ConfigError):
         load_config(_Completed, {"seed": 3}, ["nope=1"])
     assert len(_Completed.calls) == 1
+    with pytest.raises(ConfigError) as info:  # what it finds is reported like any problem
+        load_config(_Completed, {"seed": -1})
+    assert info.value.problems == ("seed: must be >= 0 to name the run",)
 
 
 # bounded_yaml.py
