@@ -161,6 +161,16 @@ def test_a_key_of_a_dict_edits_the_section_s_default_instance_not_the_class_defa
     assert load_config(_Outer, None, ["inner.weights.c=3"]).inner.weights == {"b": 2.0, "c": 3.0}
 
 
+@dataclass
+class _Required:
+    inner: _Inner
+
+
+def test_a_key_of_a_dict_in_a_required_section_edits_the_class_default() -> None:
+    config = load_config(_Required, {"inner": {}}, ["inner.weights.c=3"])
+    assert config.inner.weights == {"a": 1.0, "c": 3.0}
+
+
 # loader.py
 
 
