@@ -57,7 +57,6 @@ def _check(root: yaml.Node, max_nodes: int) -> None:
     linear in the composed graph) and look for repeated keys; raise ConfigError."""
     sizes: dict[int, int] = {}
     active: set[int] = set()
-    checked: set[int] = set()
 
     def size(node: yaml.Node) -> int:
         key = id(node)
@@ -68,9 +67,7 @@ def _check(root: yaml.Node, max_nodes: int) -> None:
         active.add(key)
         total = 1
         if isinstance(node, yaml.MappingNode):
-            if key not in checked:
-                _duplicates(node)
-                checked.add(key)
+            _duplicates(node)  # once per node: a node seen before returns from sizes above
             for k, v in node.value:
                 total += size(k) + size(v)
                 if total > max_nodes:
