@@ -155,6 +155,7 @@ def test_dryrun_impossible_layout_exits_2_and_creates_nothing(nemorun_home: Path
 
 
 @needs_nemo_run
+@pytest.mark.dist  # a fresh interpreter importing torch and megatron-core (the real command)
 def test_a_run_checks_the_files_first_exits_2_and_creates_nothing(
     nemorun_home: Path, tmp_path: Path
 ) -> None:

@@ -69,6 +69,7 @@ def test_the_howto_run_trains_episodes_with_the_users_file(tmp_path: Path) -> No
         assert 0.0 <= row["env_observation_frac"] < 1.0
 
 
+@pytest.mark.dist  # a fresh interpreter importing torch and megatron-core (the real command)
 def test_a_misspelt_environment_stops_the_run_in_one_line_before_anything_exists(
     tmp_path: Path,
 ) -> None:
