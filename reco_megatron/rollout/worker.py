@@ -9,10 +9,9 @@ NEW_ENTRY = "python -m reco_megatron.rollout_worker"
 
 
 def main() -> int:
-    print(
+    sys.stderr.write(  # one line and exit 2, as the package's other commands refuse
         f"reco_megatron.rollout.worker has moved: start the rollout worker with {NEW_ENTRY} "
-        "(same arguments)",
-        file=sys.stderr,
+        "(same arguments)\n"
     )
     return 2
 

@@ -117,17 +117,22 @@ class SeparateRollout:
         groups, episodes, metrics = got
         mine = self.prompts.mine(len(drawn.indices), self.layout.dp_rank, self.layout.dp_size)
         prompt_ids, golds = self.prompts.encode(drawn.indices, mine)
-        got = StepRollout(
-            drawn.indices, prompt_ids, [groups[g] for g in mine], golds, False, metrics
+        completions = [groups[g] for g in mine]
+        if episodes is None:
+            return StepRollout(drawn.indices, prompt_ids, completions, golds, False, metrics)
+        records = [episodes[g] for g in mine]  # as the colocated run's episodes of these groups
+        names = records[0]["metrics"] if records else {}
+        return StepRollout(
+            drawn.indices,
+            [r["prompt"] for r in records],
+            completions,
+            golds,
+            False,
+            metrics,
+            turn_rewards=[r["turn_rewards"] for r in records],
+            failed=[r["failed"] for r in records],
+            counters={k: sum(r["metrics"][k] for r in records) for k in names},
         )
-        if episodes is not None:  # as the colocated run's episodes of these groups
-            records = [episodes[g] for g in mine]
-            got.prompts = [r["prompt"] for r in records]
-            got.turn_rewards = [r["turn_rewards"] for r in records]
-            got.failed = [r["failed"] for r in records]
-            names = records[0]["metrics"] if records else {}
-            got.counters = {k: sum(r["metrics"][k] for r in records) for k in names}
-        return got
 
     def before_update(self) -> None:
         pass  # the workers have devices of their own
